@@ -1,0 +1,315 @@
+"""The page pool: one byte arena per pool, a free stack of page ids, exact accounting.
+
+Every K/V byte of every layer lives in one `torch.uint8` arena of `num_pages * page_bytes` bytes, made once.
+Pages are handed out and taken back in O(1) per page; a multi-page request is all-or-nothing. Every page is
+either free or held by exactly one owner (a string such as ``"layer3#7"``). Nothing here knows about attention.
+"""
+
+from __future__ import annotations
+
+import os
+from collections import Counter
+from dataclasses import dataclass
+
+import torch
+
+from ..errors import PageOwnershipError, PoolExhaustedError, PoolInvariantError
+
+PAGE_ALIGN_BYTES = 256
+DEFAULT_PAGE_BYTES = 1 << 20  # 1 MiB
+
+
+def format_bytes(n: int) -> str:
+    """Human-readable bytes in binary units (``1.50 GiB``)."""
+    value = float(n)
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
+        if abs(value) < 1024 or unit == "TiB":
+            return f"{int(value)} B" if unit == "B" else f"{value:.2f} {unit}"
+        value /= 1024
+    raise AssertionError("unreachable")
+
+
+@dataclass(frozen=True, slots=True)
+class PoolStats:
+    """A snapshot of the pool's accounting. Bytes are exact; `waste_bytes = held_bytes - used_bytes`."""
+
+    total_pages: int
+    used_pages: int
+    free_pages: int
+    page_bytes: int
+    held_bytes: int  # used_pages * page_bytes
+    used_bytes: int  # bytes the owners report they actually use inside their pages
+    waste_bytes: int
+    high_water_pages: int
+    owner_pages: tuple[tuple[str, int], ...]  # sorted by owner name
+
+    @property
+    def high_water_bytes(self) -> int:
+        return self.high_water_pages * self.page_bytes
+
+
+def _check_positive_int(name: str, value: object) -> int:
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise ValueError(f"{name} must be an int, got {value!r} ({type(value).__name__})")
+    if value <= 0:
+        raise ValueError(f"{name} must be > 0, got {value}")
+    return value
+
+
+def _resolve_device(device: torch.device | str) -> torch.device:
+    try:
+        dev = torch.device(device)
+    except (RuntimeError, TypeError) as exc:
+        raise ValueError(f"unknown device {device!r}: {exc}") from None
+    if dev.type == "cuda":
+        if not torch.cuda.is_available():
+            raise ValueError(f"device {device!r} requested but CUDA is not available; use device='cpu'")
+        if dev.index is None:
+            dev = torch.device("cuda", torch.cuda.current_device())
+        elif dev.index >= torch.cuda.device_count():
+            raise ValueError(f"device {device!r}: only {torch.cuda.device_count()} CUDA device(s) exist")
+    elif dev.type != "cpu":
+        raise ValueError(f"unsupported device {device!r}: pagedqvg runs on 'cpu' or 'cuda'")
+    return dev
+
+
+def available_memory_bytes(device: torch.device | str) -> int:
+    """Free memory of a device in bytes: `torch.cuda.mem_get_info` on CUDA, MemAvailable of the host on CPU."""
+    dev = _resolve_device(device)
+    if dev.type == "cuda":
+        free, _total = torch.cuda.mem_get_info(dev)
+        return int(free)
+    try:
+        with open("/proc/meminfo", encoding="ascii") as fh:
+            for line in fh:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return int(os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE"))
+
+
+class BlockPool:
+    """A fixed set of equal pages carved from one arena tensor, shared by every layer's cache.
+
+    Complexity: `alloc(n)` and `free(pages)` are O(n); `stats()` is O(owners); `check()` is O(num_pages).
+    """
+
+    def __init__(
+        self,
+        capacity_bytes: int,
+        page_bytes: int = DEFAULT_PAGE_BYTES,
+        device: torch.device | str = "cpu",
+    ) -> None:
+        _check_positive_int("capacity_bytes", capacity_bytes)
+        _check_positive_int("page_bytes", page_bytes)
+        if page_bytes % PAGE_ALIGN_BYTES:
+            raise ValueError(
+                f"page_bytes must be a multiple of {PAGE_ALIGN_BYTES} (pages are {PAGE_ALIGN_BYTES}-byte aligned), "
+                f"got {page_bytes}; nearest valid: {max(PAGE_ALIGN_BYTES, page_bytes // PAGE_ALIGN_BYTES * 256)}"
+            )
+        if capacity_bytes < page_bytes:
+            raise ValueError(
+                f"capacity_bytes={capacity_bytes} is below one page of page_bytes={page_bytes}; "
+                f"give at least {page_bytes} bytes or use smaller pages"
+            )
+        self.device = _resolve_device(device)
+        self.page_bytes = page_bytes
+        self.num_pages = capacity_bytes // page_bytes
+        total = self.num_pages * page_bytes
+        # Over-allocate by one alignment unit so page 0 starts on a 256-byte boundary on any allocator.
+        raw = torch.empty(total + PAGE_ALIGN_BYTES, dtype=torch.uint8, device=self.device)
+        offset = (-raw.data_ptr()) % PAGE_ALIGN_BYTES
+        self.arena: torch.Tensor = raw[offset : offset + total]
+        # Free stack: pop() hands out the lowest ids first on a fresh pool.
+        self._free: list[int] = list(range(self.num_pages - 1, -1, -1))
+        self._owner_of: list[str | None] = [None] * self.num_pages
+        self._owner_pages: Counter[str] = Counter()
+        self._owner_used: dict[str, int] = {}
+        self._high_water = 0
+        self._typed: dict[torch.dtype, torch.Tensor] = {}
+        self._owner_serial = 0
+        self._view_buffer: torch.Tensor | None = None
+
+    @classmethod
+    def from_free_memory(
+        cls,
+        fraction: float,
+        page_bytes: int = DEFAULT_PAGE_BYTES,
+        device: torch.device | str = "cpu",
+    ) -> BlockPool:
+        """Size the pool to `fraction` (0, 1] of the device's free memory (like vLLM's gpu_memory_utilization)."""
+        if isinstance(fraction, bool) or not isinstance(fraction, (int, float)) or not 0 < fraction <= 1:
+            raise ValueError(f"fraction must be a number in (0, 1], got {fraction!r}")
+        free = available_memory_bytes(device)
+        return cls(capacity_bytes=int(free * fraction), page_bytes=page_bytes, device=device)
+
+    # ---------------------------------------------------------------- views
+    def pages_as(self, dtype: torch.dtype) -> torch.Tensor:
+        """The arena as `[num_pages, page_bytes // itemsize]` of `dtype` (a view; no copy). O(1), cached."""
+        view = self._typed.get(dtype)
+        if view is None:
+            itemsize = torch.empty((), dtype=dtype).element_size()
+            if self.page_bytes % itemsize:
+                raise ValueError(f"page_bytes={self.page_bytes} is not a multiple of {dtype}'s {itemsize} bytes")
+            view = self.arena.view(dtype).view(self.num_pages, self.page_bytes // itemsize)
+            self._typed[dtype] = view
+        return view
+
+    def view_buffer(self, numel: int, dtype: torch.dtype) -> torch.Tensor:
+        """A reusable 1-D scratch tensor of `numel` elements, shared by every cache of this pool.
+
+        Valid until the next call that asks for it; it grows (never shrinks) and lives outside the page budget.
+        """
+        nbytes = numel * torch.empty((), dtype=dtype).element_size()
+        buf = self._view_buffer
+        if buf is None or buf.numel() < nbytes:
+            buf = torch.empty(max(nbytes, 1), dtype=torch.uint8, device=self.device)
+            self._view_buffer = buf
+        return buf[:nbytes].view(dtype)
+
+    # ------------------------------------------------------------ ownership
+    def new_owner(self, label: str) -> str:
+        """A fresh owner name `label#k`, unique within this pool."""
+        self._owner_serial += 1
+        return f"{label}#{self._owner_serial}"
+
+    @property
+    def num_free_pages(self) -> int:
+        return len(self._free)
+
+    @property
+    def num_used_pages(self) -> int:
+        return self.num_pages - len(self._free)
+
+    def pages_of(self, owner: str) -> int:
+        """Pages held by `owner`. O(1)."""
+        return self._owner_pages.get(owner, 0)
+
+    def exhausted_error(self, requested: int, context: str = "") -> PoolExhaustedError:
+        """The error an over-budget request of `requested` pages gets (names sizes and the biggest holders)."""
+        top = ", ".join(f"{o}: {n} pages" for o, n in self._owner_pages.most_common(3)) or "none"
+        prefix = f"{context}: " if context else ""
+        return PoolExhaustedError(
+            f"{prefix}asked for {requested} pages of {self.page_bytes} B "
+            f"({format_bytes(requested * self.page_bytes)}), "
+            f"but only {len(self._free)} of {self.num_pages} pages are free "
+            f"({format_bytes(len(self._free) * self.page_bytes)} of {format_bytes(self.num_pages * self.page_bytes)}); "
+            f"largest holders: {top}. Give the pool more capacity_bytes, shrink the attention window, "
+            f"or turn on quantization."
+        )
+
+    def alloc(self, n: int, owner: str) -> list[int]:
+        """Take `n` pages for `owner`, all or nothing. O(n). Raises PoolExhaustedError (pool unchanged)."""
+        if isinstance(n, bool) or not isinstance(n, int) or n < 0:
+            raise ValueError(f"alloc: n must be an int >= 0, got {n!r}")
+        if not isinstance(owner, str) or not owner:
+            raise ValueError(f"alloc: owner must be a non-empty str, got {owner!r}")
+        if n > len(self._free):
+            raise self.exhausted_error(n, f"alloc for {owner}")
+        if n == 0:
+            return []
+        pages = self._free[-n:]
+        del self._free[-n:]
+        pages.reverse()
+        owner_of = self._owner_of
+        for p in pages:
+            owner_of[p] = owner
+        self._owner_pages[owner] += n
+        used = self.num_pages - len(self._free)
+        if used > self._high_water:
+            self._high_water = used
+        return pages
+
+    def free(self, pages: list[int] | tuple[int, ...], owner: str) -> None:
+        """Give `pages` of `owner` back. O(n). A free, foreign, duplicate or unknown page: PageOwnershipError,
+        and nothing is freed."""
+        owner_of = self._owner_of
+        seen: set[int] = set()
+        for p in pages:
+            if isinstance(p, bool) or not isinstance(p, int) or not 0 <= p < self.num_pages:
+                raise PageOwnershipError(
+                    f"free by {owner}: page {p!r} does not exist (valid ids 0..{self.num_pages - 1})"
+                )
+            if p in seen:
+                raise PageOwnershipError(f"free by {owner}: page {p} is listed twice")
+            seen.add(p)
+            holder = owner_of[p]
+            if holder is None:
+                raise PageOwnershipError(f"free by {owner}: page {p} is already free (double free)")
+            if holder != owner:
+                raise PageOwnershipError(f"free by {owner}: page {p} belongs to {holder}, not to {owner}")
+        for p in reversed(pages):
+            owner_of[p] = None
+            self._free.append(p)
+        if pages:
+            left = self._owner_pages[owner] - len(pages)
+            if left:
+                self._owner_pages[owner] = left
+            else:
+                del self._owner_pages[owner]
+                self._owner_used.pop(owner, None)
+
+    def set_used_bytes(self, owner: str, nbytes: int) -> None:
+        """Record how many bytes of its pages `owner` really uses (for the waste figure). O(1)."""
+        if nbytes < 0:
+            raise ValueError(f"set_used_bytes: nbytes must be >= 0, got {nbytes}")
+        if nbytes:
+            self._owner_used[owner] = nbytes
+        else:
+            self._owner_used.pop(owner, None)
+
+    # ------------------------------------------------------------ accounting
+    def stats(self) -> PoolStats:
+        """Exact accounting snapshot. O(owners)."""
+        used_pages = self.num_pages - len(self._free)
+        held = used_pages * self.page_bytes
+        used_bytes = sum(self._owner_used.values())
+        return PoolStats(
+            total_pages=self.num_pages,
+            used_pages=used_pages,
+            free_pages=len(self._free),
+            page_bytes=self.page_bytes,
+            held_bytes=held,
+            used_bytes=used_bytes,
+            waste_bytes=held - used_bytes,
+            high_water_pages=self._high_water,
+            owner_pages=tuple(sorted(self._owner_pages.items())),
+        )
+
+    def reset_high_water(self) -> None:
+        self._high_water = self.num_pages - len(self._free)
+
+    def debug_state(self) -> tuple[tuple[int, ...], tuple[str | None, ...]]:
+        """The free stack and the owner table, for snapshot comparisons in tests."""
+        return tuple(self._free), tuple(self._owner_of)
+
+    def check(self) -> None:
+        """Verify every invariant; raise PoolInvariantError naming the first broken one. O(num_pages)."""
+        free = self._free
+        if len(set(free)) != len(free):
+            dup = [p for p, c in Counter(free).items() if c > 1]
+            raise PoolInvariantError(f"free list holds duplicates: {dup[:10]}")
+        for p in free:
+            if not 0 <= p < self.num_pages:
+                raise PoolInvariantError(f"free list holds page {p} outside 0..{self.num_pages - 1}")
+            if self._owner_of[p] is not None:
+                raise PoolInvariantError(f"page {p} is on the free list but owned by {self._owner_of[p]}")
+        counts = Counter(o for o in self._owner_of if o is not None)
+        if len(free) + sum(counts.values()) != self.num_pages:
+            raise PoolInvariantError(
+                f"{len(free)} free + {sum(counts.values())} owned != {self.num_pages} pages (a page is lost)"
+            )
+        if counts != self._owner_pages:
+            raise PoolInvariantError(f"per-owner counts {dict(self._owner_pages)} != owner table {dict(counts)}")
+        for owner, used in self._owner_used.items():
+            if used > counts.get(owner, 0) * self.page_bytes:
+                raise PoolInvariantError(f"{owner} reports {used} B used but holds {counts.get(owner, 0)} pages")
+        if self._high_water < self.num_pages - len(free):
+            raise PoolInvariantError("high-water mark below current use")
+
+    def __repr__(self) -> str:
+        return (
+            f"BlockPool({self.num_pages} pages x {self.page_bytes} B = {format_bytes(self.num_pages * self.page_bytes)}"
+            f" on {self.device}, {len(self._free)} free)"
+        )

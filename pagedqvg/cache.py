@@ -1,0 +1,626 @@
+"""The per-layer paged causal KV cache: the dense cache's contract (shared/SEMANTICS.md) over pool pages.
+
+Data path: pool pages ← range index (global token ranges → segments) ← slot map (slots → global tokens) ← this
+cache (sequencing rules, roll, pin, rewind) → kernels (page write, view build) → `CausalAttentionKVView`.
+
+Every call is planned completely (new slot map, cursors, segments to free, pages to take) before anything changes,
+so every error leaves the cache and the pool exactly as they were.
+"""
+
+from __future__ import annotations
+
+import operator
+from dataclasses import dataclass, field
+
+import torch
+
+from .allocator import BlockPool, RangeEntry, RangeIndex
+from .errors import CacheClosedError, CacheConfigError, SequencingError
+from .kernels import page_fill, page_write, view_build
+from .kernels.rows import segment_row_index, token_rows
+from .layout import DenseTokenLayout
+from .slot_map import SlotMap
+from .view import CausalAttentionKVView
+
+SUPPORTED_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
+_PLAN_CACHE_SIZE = 8
+
+
+@dataclass(slots=True)
+class Segment:
+    """One appended chunk of one layer: its pages (token rows, see layout.py). Its global range is its index key."""
+
+    pages: list[int]
+    pages_t: torch.Tensor  # the same page ids as an int64 tensor on the cache's device
+    kind: str = "dense"
+
+
+@dataclass(slots=True)
+class _WritePlan:
+    """Everything one update call will change, computed before anything changes."""
+
+    ls: int
+    le: int
+    new_tokens: int  # a = e - G (0 for an in-place rewrite)
+    cache_size: int
+    window: int
+    global_end: int
+    local_end: int
+    pin_start: int
+    slot_map: SlotMap
+    free_entries: list[RangeEntry[Segment]] = field(default_factory=list)
+
+
+def _as_index(name: str, value: object, debug_name: str) -> int:
+    """An int-like argument as int (Python ints, numpy ints, 0-d integer tensors); bools and floats are refused."""
+    if isinstance(value, bool):
+        raise TypeError(f"{debug_name}: {name} must be an int, got bool {value!r}")
+    if isinstance(value, torch.Tensor):
+        if value.numel() != 1 or value.dtype.is_floating_point or value.dtype == torch.bool:
+            raise TypeError(f"{debug_name}: {name} must be an int, got a tensor of shape {tuple(value.shape)}")
+        return int(value.item())
+    try:
+        return operator.index(value)  # type: ignore[arg-type]
+    except TypeError:
+        raise TypeError(f"{debug_name}: {name} must be an int, got {value!r} ({type(value).__name__})") from None
+
+
+def _config_int(name: str, value: object, minimum: int) -> int:
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise CacheConfigError(f"{name} must be an int, got {value!r} ({type(value).__name__})")
+    if value < minimum:
+        raise CacheConfigError(f"{name} must be >= {minimum}, got {value}")
+    return value
+
+
+def effective_sink(sink_tokens: int, global_sink_tokens: int, pin_start: int, pin_len: int) -> int:
+    """`E` of SEMANTICS.md: slots `[0, E)` never roll."""
+    if pin_start >= 0 and pin_len > 0:
+        return global_sink_tokens + pin_len if pin_start == global_sink_tokens else global_sink_tokens
+    return max(global_sink_tokens, sink_tokens)
+
+
+def view_slot_ranges(
+    *,
+    local_end: int,
+    window: int,
+    sink: int,
+    global_sink_tokens: int,
+    pin_start: int,
+    pin_len: int,
+    local_start: int,
+    recent_window_tokens: int | None,
+) -> list[tuple[int, int]]:
+    """The slot ranges of the view, in order (SEMANTICS.md step 5). Pure; O(1)."""
+    L, W, E, P, PL = local_end, window, sink, pin_start, pin_len
+    pinned = P >= 0 and PL > 0
+    A = max(0, L - W)
+    if recent_window_tokens is None:
+        if global_sink_tokens > 0 or pinned:
+            ps = E > 0 and A > 0
+            pp = pinned and E <= P < A
+            if ps and pp:
+                return [(0, E), (P, P + PL), (max(E, L - max(0, W - E - PL)), L)]
+            if ps:
+                return [(0, E), (max(E, L - max(0, W - E)), L)]
+            if pp:
+                return [(P, P + PL), (max(0, L - max(0, W - PL)), L)]
+        return [(A, L)]
+    se = min(E, L)
+    rs = max(se, local_start - recent_window_tokens)
+    if rs <= se:
+        return [(0, L)]
+    ranges = [(0, se)] if se > 0 else []
+    if pinned and se <= P < rs:
+        ranges.append((P, P + PL))
+    ranges.append((rs, L))
+    return ranges
+
+
+class PagedCausalKVCache:
+    """One layer's causal K/V cache whose bytes live in pages of a shared `BlockPool`.
+
+    A drop-in for SGLang's `CausalSelfAttentionKVCache`: with quantization off every view equals the dense cache's
+    bit for bit. Host work per call is O(runs + segments in view); a repeated call with the same shape (a denoise
+    step rewriting the current chunk) reuses its cached row index and does one scatter and one gather.
+    """
+
+    def __init__(
+        self,
+        *,
+        pool: BlockPool,
+        batch_size: int,
+        cache_size: int,
+        num_heads: int,
+        head_dim: int,
+        dtype: torch.dtype,
+        device: torch.device | str,
+        sink_tokens: int = 0,
+        attention_window_size: int | None = None,
+        global_sink_tokens: int = 0,
+        allow_growth: bool = False,
+        use_int_indices: bool = False,
+        global_end_index: torch.Tensor | None = None,
+        local_end_index: torch.Tensor | None = None,
+        quant: object | None = None,
+        name: str = "layer",
+        reuse_view_buffer: bool = False,
+    ) -> None:
+        if not isinstance(pool, BlockPool):
+            raise CacheConfigError(f"pool must be a pagedqvg.BlockPool, got {type(pool).__name__}")
+        self.batch_size = _config_int("batch_size", batch_size, 1)
+        cache_size = _config_int("cache_size", cache_size, 1)
+        self._num_heads = _config_int("num_heads", num_heads, 1)
+        self.head_dim = _config_int("head_dim", head_dim, 1)
+        self._sink = _config_int("sink_tokens", sink_tokens, 0)
+        self._global_sink = _config_int("global_sink_tokens", global_sink_tokens, 0)
+        if attention_window_size is None:
+            attention_window_size = 0
+        window = _config_int("attention_window_size", attention_window_size, 0)
+        if dtype not in SUPPORTED_DTYPES:
+            raise CacheConfigError(f"dtype must be one of {SUPPORTED_DTYPES}, got {dtype}")
+        try:
+            dev = torch.device(device)
+        except (RuntimeError, TypeError):
+            raise CacheConfigError(f"unknown device {device!r}") from None
+        if dev.type != pool.device.type or (dev.index is not None and dev.index != pool.device.index):
+            raise CacheConfigError(f"device {dev} differs from the pool's device {pool.device}")
+        if quant is not None and getattr(quant, "bits", None) is not None:
+            raise NotImplementedError(
+                "quantized segments (QuantConfig with bits set) are not implemented yet; pass quant=None"
+            )
+        self.pool = pool
+        self.device = pool.device
+        self.dtype = dtype
+        self.quant = quant
+        self.debug_name = name
+        self.owner = pool.new_owner(name)
+        self.reuse_view_buffer = bool(reuse_view_buffer)
+        self.layout = DenseTokenLayout(self.batch_size, self._num_heads, self.head_dim, dtype, pool.page_bytes)
+        if self.layout.row_bytes > pool.page_bytes:
+            raise CacheConfigError(
+                f"one token row ({self._num_heads} heads x {self.head_dim} x {self.layout.itemsize} B = "
+                f"{self.layout.row_bytes} B) does not fit a page of {pool.page_bytes} B; use a pool with "
+                f"page_bytes >= {-(-self.layout.row_bytes // 256) * 256}"
+            )
+        self._rpp = self.layout.rows_per_page
+        self._rows = token_rows(pool, dtype, self._num_heads, self.head_dim, self._rpp)
+        b = torch.arange(self.batch_size, dtype=torch.int64, device=self.device)
+        kv = torch.arange(2, dtype=torch.int64, device=self.device)
+        self._kv_batch = (kv[:, None] * self.batch_size + b[None, :])[:, :, None]
+        self._grow = bool(allow_growth)
+        self._use_int = bool(use_int_indices)
+        self._C = cache_size
+        self._W = window if window > 0 else cache_size
+        self._G = 0
+        self._L = 0
+        self._P = -1
+        self._PL = 0
+        self._map = SlotMap()
+        self._index: RangeIndex[Segment] = RangeIndex()
+        self._closed = False
+        self._version = 0
+        self._plans: dict[tuple, tuple[torch.Tensor, torch.Tensor]] = {}
+        self._g_tensor = self._cursor("global_end_index", global_end_index)
+        self._l_tensor = self._cursor("local_end_index", local_end_index)
+        self.global_end_index_int: int | None = 0 if self._use_int else None
+        self.local_end_index_int: int | None = 0 if self._use_int else None
+
+    def _cursor(self, name: str, given: torch.Tensor | None) -> torch.Tensor:
+        if given is None:
+            return torch.zeros(1, dtype=torch.int64, device=self.device)
+        if not isinstance(given, torch.Tensor) or given.shape != (1,) or given.dtype != torch.int64:
+            raise CacheConfigError(f"{name} must be a 1-element int64 tensor, got {given!r}")
+        if given.device != self.device:
+            raise CacheConfigError(f"{name} is on {given.device}, the cache on {self.device}")
+        if int(given.item()) != 0:
+            raise CacheConfigError(f"{name} must start at 0 for an empty cache, got {int(given.item())}")
+        return given
+
+    # ------------------------------------------------------------ read-only state
+    @property
+    def num_cache_heads(self) -> int:
+        return self._num_heads
+
+    @property
+    def cache_size(self) -> int:
+        """`C` in slots (grows with allow_growth)."""
+        return self._C
+
+    @property
+    def attention_window_size(self) -> int:
+        """`W` in slots."""
+        return self._W
+
+    @property
+    def sink_tokens(self) -> int:
+        return self._sink
+
+    @property
+    def global_sink_tokens(self) -> int:
+        return self._global_sink
+
+    @property
+    def global_end_index(self) -> torch.Tensor:
+        """1-element int64 tensor; with use_int_indices=True it is never written (the int is the truth)."""
+        return self._g_tensor
+
+    @property
+    def local_end_index(self) -> torch.Tensor:
+        return self._l_tensor
+
+    @property
+    def pinned_range(self) -> tuple[int, int]:
+        """`(P, PL)`: the pinned slot start (-1 if none) and its length in tokens."""
+        return self._P, self._PL
+
+    @property
+    def closed(self) -> bool:
+        return self._closed
+
+    def effective_sink_tokens(self) -> int:
+        """`E`: slots `[0, E)` never roll."""
+        return effective_sink(self._sink, self._global_sink, self._P, self._PL)
+
+    def can_direct_current_attention(self, num_tokens: int) -> bool:
+        return self._sink == 0 and num_tokens == self._C and num_tokens == self._W
+
+    def resident_nbytes(self) -> int:
+        """Bytes this layer holds in the pool (whole pages, K and V). O(1)."""
+        return self.pool.pages_of(self.owner) * self.pool.page_bytes
+
+    def retained_token_ranges(self) -> list[tuple[int, int]]:
+        """Global token ranges the slots hold, in slot order (sink, pinned, tail)."""
+        return self._map.global_ranges()
+
+    def segments(self) -> list[tuple[int, int, int]]:
+        """`(global_start, global_end, pages)` of each stored segment, in order."""
+        return [(e.start, e.end, len(e.value.pages)) for e in self._index]
+
+    def __repr__(self) -> str:
+        return (
+            f"PagedCausalKVCache({self.debug_name}: G={self._G} L={self._L} C={self._C} W={self._W} "
+            f"E={self.effective_sink_tokens()} pin={self._P}+{self._PL}, {len(self._index)} segments, "
+            f"{self.resident_nbytes()} B resident)"
+        )
+
+    # ------------------------------------------------------------ checks
+    def _ensure_open(self, what: str) -> None:
+        if self._closed:
+            raise CacheClosedError(
+                f"{self.debug_name}: {what} after close(); its pages are back in the pool — make a new cache"
+            )
+
+    def _check_kv(self, key: object, value: object, cache_head_start: object) -> tuple[int, int, int]:
+        name = self.debug_name
+        for label, t in (("key", key), ("value", value)):
+            if not isinstance(t, torch.Tensor):
+                raise TypeError(f"{name}: {label} must be a torch.Tensor, got {type(t).__name__}")
+            if t.dim() != 4:
+                raise ValueError(
+                    f"{name}: {label} must be [batch, tokens, heads, head_dim], got shape {tuple(t.shape)}"
+                )
+            if t.dtype != self.dtype:
+                raise TypeError(f"{name}: {label} dtype {t.dtype} differs from the cache dtype {self.dtype}")
+            if t.device != self.device:
+                raise ValueError(f"{name}: {label} is on {t.device}, the cache is on {self.device}")
+        assert isinstance(key, torch.Tensor) and isinstance(value, torch.Tensor)
+        if key.shape != value.shape:
+            raise ValueError(f"{name}: key shape {tuple(key.shape)} differs from value shape {tuple(value.shape)}")
+        batch, n, hin, d = key.shape
+        if batch != self.batch_size:
+            raise ValueError(f"{name}: batch {batch} differs from the cache's batch_size {self.batch_size}")
+        if d != self.head_dim:
+            raise ValueError(f"{name}: head_dim {d} differs from the cache's head_dim {self.head_dim}")
+        if n == 0:
+            raise ValueError(f"{name}: zero-length chunk (key has 0 tokens); pass at least one token")
+        H = self._num_heads
+        if hin == 0 or hin > H:
+            raise ValueError(f"{name}: key has {hin} heads; the cache has {H} (valid: 1..{H})")
+        if cache_head_start is None:
+            if hin != H:
+                raise ValueError(
+                    f"{name}: key has {hin} heads but the cache has {H}; pass cache_head_start "
+                    f"(valid: 0..{H - hin}) to write and view heads [cache_head_start, cache_head_start + {hin})"
+                )
+            return n, hin, 0
+        h0 = _as_index("cache_head_start", cache_head_start, name)
+        if h0 < 0 or h0 + hin > H:
+            raise ValueError(
+                f"{name}: head slice [{h0}, {h0 + hin}) is outside the cache's {H} heads "
+                f"(valid cache_head_start for {hin} heads: 0..{H - hin})"
+            )
+        return n, hin, h0
+
+    def _current_chunk_start(self) -> int:
+        last = self._index.last()
+        return last.start if last is not None else 0
+
+    def _oldest_rewritable(self) -> int:
+        """The smallest global start a write may have now (tokens before it are not in the rolling tail)."""
+        return self._G - (self._L - self._map.tail_start())
+
+    def _sequencing_error(self, what: str, start: int, n: int) -> SequencingError:
+        floor = self._oldest_rewritable()
+        return SequencingError(
+            f"{self.debug_name}: {what}: start={start}, {n} tokens, global end={self._G}, current chunk starts at "
+            f"{self._current_chunk_start()}; valid starts are {floor}..{self._G} (a rewrite of retained tail "
+            f"tokens [{floor}, {self._G}) or an append at {self._G})"
+        )
+
+    # ------------------------------------------------------------ planning (pure)
+    def _plan(self, s: int, n: int) -> _WritePlan:
+        G, L, C, W = self._G, self._L, self._C, self._W
+        e = s + n
+        smap = self._map
+        if s < 0:
+            raise ValueError(f"{self.debug_name}: current_chunk_start={s} is negative (valid: 0..{G})")
+        if s > G:
+            raise self._sequencing_error(f"gap: the chunk starts after the global end {G}", s, n)
+        if e <= G:
+            ls = s - (G - L)
+            if ls < smap.tail_start():
+                raise self._sequencing_error("rewrite of tokens that are no longer in the rolling tail", s, n)
+            return _WritePlan(ls, ls + n, 0, C, W, G, L, self._P, smap)
+        a = e - G
+        if self._grow and L + a > C:
+            new_c = max(L + a, 2 * C)
+            if W == C:
+                W = new_c
+            C = new_c
+        P = self._P
+        free_entries: list[RangeEntry[Segment]] = []
+        if L + a > C:
+            ev = L + a - C
+            E = effective_sink(self._sink, self._global_sink, P, self._PL)
+            le = C
+            ls = le - n
+            if ls < E:
+                raise CacheConfigError(
+                    f"{self.debug_name}: a chunk of n={n} tokens (start={s}, global end={G}) would roll onto the "
+                    f"sink: cache_size C={C}, effective sink E={E}, so a chunk may be at most C - E = {C - E} "
+                    f"tokens; raise cache_size, shrink the chunk or the sink"
+                )
+            if L - (G - s) < smap.tail_start():
+                raise self._sequencing_error("rewrite of tokens that are no longer in the rolling tail", s, n)
+            new_map, dropped = smap.rolled(E, ev)
+            if P >= 0 and self._PL > 0 and P >= E:
+                P -= ev
+            # Segments whose every token left the slots go back to the pool in this call.
+            live = new_map.global_ranges()
+            seen: set[int] = set()
+            for g0, g1 in dropped:
+                for entry in self._index.overlapping(g0, g1):
+                    if entry.start in seen:
+                        continue
+                    seen.add(entry.start)
+                    if not any(a0 < entry.end and entry.start < a1 for a0, a1 in live):
+                        free_entries.append(entry)
+        else:
+            le = L + a
+            ls = le - n
+            if ls < smap.tail_start():
+                raise self._sequencing_error("rewrite of tokens that are no longer in the rolling tail", s, n)
+            new_map = smap
+        new_map = new_map.appended(le - a, a, G)
+        return _WritePlan(ls, le, a, C, W, e, le, P, new_map, free_entries)
+
+    # ------------------------------------------------------------ row indices
+    def _row_index(self, global_ranges: list[tuple[int, int]]) -> tuple[torch.Tensor, torch.Tensor]:
+        pages_parts: list[torch.Tensor] = []
+        slots_parts: list[torch.Tensor] = []
+        for g0, g1 in global_ranges:
+            for entry in self._index.overlapping(g0, g1):
+                lo, hi = max(g0, entry.start), min(g1, entry.end)
+                p, s = segment_row_index(
+                    entry.value.pages_t, self._rpp, lo - entry.start, hi - entry.start, self._kv_batch
+                )
+                pages_parts.append(p)
+                slots_parts.append(s)
+        if not pages_parts:
+            empty = torch.empty(2, self.batch_size, 0, dtype=torch.int64, device=self.device)
+            return empty, empty
+        if len(pages_parts) == 1:
+            return pages_parts[0], slots_parts[0]
+        return torch.cat(pages_parts, dim=2), torch.cat(slots_parts, dim=2)
+
+    def _cached_row_index(self, key: tuple, global_ranges: list[tuple[int, int]]):
+        hit = self._plans.get(key)
+        if hit is None:
+            if len(self._plans) >= _PLAN_CACHE_SIZE:
+                self._plans.clear()
+            hit = self._row_index(global_ranges)
+            self._plans[key] = hit
+        return hit
+
+    def _structure_changed(self) -> None:
+        self._version += 1
+        self._plans.clear()
+
+    # ------------------------------------------------------------ the call
+    def update_and_get_attention_kv(
+        self,
+        *,
+        key: torch.Tensor,
+        value: torch.Tensor,
+        current_chunk_start: int,
+        cache_head_start: int | None = None,
+        recent_window_tokens: int | None = None,
+        debug_name: str = "paged KV cache",
+    ) -> CausalAttentionKVView:
+        """Write `key`/`value` `[B, n, Hin, D]` at global tokens `[start, start + n)` and return the view.
+
+        Follows SEMANTICS.md exactly; raises SequencingError / CacheConfigError / PoolExhaustedError / ValueError
+        / TypeError before changing anything.
+        """
+        self._ensure_open("update_and_get_attention_kv")
+        n, hin, h0 = self._check_kv(key, value, cache_head_start)
+        s = _as_index("current_chunk_start", current_chunk_start, self.debug_name)
+        r = None
+        if recent_window_tokens is not None:
+            r = _as_index("recent_window_tokens", recent_window_tokens, self.debug_name)
+            if r < 0:
+                raise ValueError(f"{self.debug_name}: recent_window_tokens={r} is negative (valid: None or >= 0)")
+        plan = self._plan(s, n)
+
+        if plan.new_tokens:
+            pool = self.pool
+            need = self.layout.pages_for_tokens(plan.new_tokens)
+            freed = sum(len(entry.value.pages) for entry in plan.free_entries)
+            if need > pool.num_free_pages + freed:
+                raise pool.exhausted_error(
+                    need,
+                    f"{self.debug_name}: appending {plan.new_tokens} tokens at {self._G} ({freed} pages "
+                    f"freed by this call's eviction count as free)",
+                )
+            for entry in plan.free_entries:
+                self._index.remove(entry)
+                pool.free(entry.value.pages, self.owner)
+            pages = pool.alloc(need, self.owner)
+            segment = Segment(pages, torch.tensor(pages, dtype=torch.int64, device=self.device))
+            self._index.insert(self._G, plan.global_end, segment)
+            self._C, self._W = plan.cache_size, plan.window
+            self._G, self._L, self._P, self._map = plan.global_end, plan.local_end, plan.pin_start, plan.slot_map
+            self._structure_changed()
+            pool.set_used_bytes(self.owner, self.layout.used_bytes_for_tokens(self._L))
+            if self._use_int:
+                self.global_end_index_int, self.local_end_index_int = self._G, self._L
+            else:
+                self._g_tensor.fill_(self._G)
+                self._l_tensor.fill_(self._L)
+            if hin != self._num_heads:
+                # Heads this call does not write read as zeros (the dense cache would show stale rolled data).
+                fill_p, fill_s = self._cached_row_index(
+                    (self._version, "new", self._G - plan.new_tokens), [(self._G - plan.new_tokens, self._G)]
+                )
+                page_fill(self._rows, fill_p, fill_s, 0.0)
+
+        e = s + n
+        wp, ws = self._cached_row_index((self._version, "w", s, e), [(s, e)])
+        page_write(self._rows, wp, ws, h0, key, value)
+
+        ranges = view_slot_ranges(
+            local_end=self._L,
+            window=self._W,
+            sink=self.effective_sink_tokens(),
+            global_sink_tokens=self._global_sink,
+            pin_start=self._P,
+            pin_len=self._PL,
+            local_start=plan.ls,
+            recent_window_tokens=r,
+        )
+        vkey = (self._version, "v", *ranges)
+        hit = self._plans.get(vkey)
+        if hit is None:
+            granges = [g for a, b in ranges for g in self._map.to_global(a, b)]
+            hit = self._cached_row_index(vkey, granges)
+        vp, vs = hit
+        tokens = vp.shape[2]
+        shape = (2, self.batch_size, tokens, hin, self.head_dim)
+        if self.reuse_view_buffer:
+            out = self.pool.view_buffer(2 * self.batch_size * tokens * hin * self.head_dim, self.dtype).view(shape)
+        else:
+            out = torch.empty(shape, dtype=self.dtype, device=self.device)
+        view_build(self._rows, vp, vs, h0, hin, out)
+        return CausalAttentionKVView(out[0], out[1], plan.ls, plan.le, self._L, self._G)
+
+    # ------------------------------------------------------------ other calls
+    def pin_current_chunk(self, num_tokens: int) -> None:
+        """Pin the last `num_tokens` slots as the sink (scene cut): `P = L - n`, `PL = min(S, n)`; no data moves."""
+        self._ensure_open("pin_current_chunk")
+        n = _as_index("num_tokens", num_tokens, self.debug_name)
+        if self._sink <= 0 or n <= 0:
+            self._P, self._PL = -1, 0
+        else:
+            self._P, self._PL = self._L - n, min(self._sink, n)
+        self._structure_changed()
+
+    def reset_indices(self) -> None:
+        """Empty the cache (a grown cache_size stays) and give every page back to the pool."""
+        self._ensure_open("reset_indices")
+        self._release_all()
+        self._G = self._L = 0
+        self._P, self._PL = -1, 0
+        self._map = SlotMap()
+        self._structure_changed()
+        if self._use_int:
+            self.global_end_index_int = self.local_end_index_int = 0
+        else:
+            self._g_tensor.zero_()
+            self._l_tensor.zero_()
+
+    def _release_all(self) -> None:
+        for entry in self._index.clear():
+            self.pool.free(entry.value.pages, self.owner)
+        self.pool.set_used_bytes(self.owner, 0)
+
+    def rewind_to(self, pos: int) -> None:
+        """Drop every token `>= pos` so the next append starts at `pos`; their pages go back to the pool.
+
+        Valid for `pos == G`, for `pos` whose tokens `[pos, G)` all sit in the rolling tail (slots >= E), and for
+        `pos` inside the sink while no roll has happened. Otherwise SequencingError (evicted history cannot return).
+        """
+        self._ensure_open("rewind_to")
+        pos = _as_index("pos", pos, self.debug_name)
+        G, L = self._G, self._L
+        E = self.effective_sink_tokens()
+        floor = self._map.tail_start() if G == L else max(self._map.tail_start(), E)
+        floor_g = G - (L - floor) if floor <= L else G
+        if pos < 0:
+            raise ValueError(f"{self.debug_name}: rewind_to({pos}): position is negative (valid: {floor_g}..{G})")
+        if pos > G:
+            raise SequencingError(
+                f"{self.debug_name}: rewind_to({pos}) is past the global end {G}; valid positions: {floor_g}..{G}"
+            )
+        if pos == G:
+            return
+        new_l = L - (G - pos)
+        if new_l < floor:
+            raise SequencingError(
+                f"{self.debug_name}: rewind_to({pos}): tokens [{pos}, {floor_g}) are no longer in the rolling tail "
+                f"(global end {G}, effective sink E={E}, current chunk starts at {self._current_chunk_start()}); "
+                f"reachable positions: {floor_g}..{G}"
+            )
+        removed, straddler = self._index.truncate(pos)
+        for entry in removed:
+            self.pool.free(entry.value.pages, self.owner)
+        if straddler is not None:
+            seg = straddler.value
+            keep = self.layout.pages_for_tokens(straddler.end - straddler.start)
+            if keep < len(seg.pages):
+                self.pool.free(seg.pages[keep:], self.owner)
+                del seg.pages[keep:]
+                seg.pages_t = seg.pages_t[:keep].clone()
+        self._G, self._L = pos, new_l
+        self._map = self._map.truncated(new_l)
+        if new_l < self._P + self._PL:
+            self._P, self._PL = -1, 0
+        self._structure_changed()
+        self.pool.set_used_bytes(self.owner, self.layout.used_bytes_for_tokens(new_l))
+        if self._use_int:
+            self.global_end_index_int, self.local_end_index_int = self._G, self._L
+        else:
+            self._g_tensor.fill_(self._G)
+            self._l_tensor.fill_(self._L)
+
+    def close(self) -> None:
+        """Give every page back; afterwards every call raises CacheClosedError. Idempotent."""
+        if self._closed:
+            return
+        self._release_all()
+        self._map = SlotMap()
+        self._structure_changed()
+        self._closed = True
+
+
+def make_layer_caches(num_layers: int, *, pool: BlockPool, **kwargs) -> list[PagedCausalKVCache]:
+    """`num_layers` caches (owners `layer0`, `layer1`, ...) sharing `pool`; kwargs as PagedCausalKVCache's."""
+    if isinstance(num_layers, bool) or not isinstance(num_layers, int) or num_layers < 1:
+        raise CacheConfigError(f"num_layers must be an int >= 1, got {num_layers!r}")
+    for shared in ("global_end_index", "local_end_index", "name"):
+        if kwargs.get(shared) is not None:
+            raise CacheConfigError(
+                f"make_layer_caches: {shared} would be shared by every layer; build caches one by one"
+            )
+    kwargs.pop("name", None)
+    return [PagedCausalKVCache(pool=pool, name=f"layer{i}", **kwargs) for i in range(num_layers)]

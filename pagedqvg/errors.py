@@ -1,0 +1,31 @@
+"""Typed errors. Every error leaves the pool and the caches exactly as they were before the call."""
+
+from __future__ import annotations
+
+
+class PagedQVGError(Exception):
+    """Base class of every error pagedqvg raises on purpose."""
+
+
+class PoolExhaustedError(PagedQVGError, MemoryError):
+    """The pool has fewer free pages than a request needs (the request changed nothing)."""
+
+
+class PageOwnershipError(PagedQVGError, ValueError):
+    """A page was freed twice, freed by an owner that does not hold it, or does not exist."""
+
+
+class PoolInvariantError(PagedQVGError, AssertionError):
+    """`BlockPool.check()` found a broken invariant (a bug in pagedqvg, never a user error)."""
+
+
+class SequencingError(PagedQVGError, NotImplementedError):
+    """A write or rewind the paged cache cannot honour (a gap, or tokens that are no longer retained)."""
+
+
+class CacheConfigError(PagedQVGError, ValueError):
+    """A cache configuration or call that cannot work (e.g. a chunk that would overwrite the sink)."""
+
+
+class CacheClosedError(PagedQVGError, RuntimeError):
+    """The cache was closed; its pages are back in the pool and it cannot be used any more."""

@@ -1,0 +1,34 @@
+"""Row addressing shared by the torch references and the Triton kernels (no kernels here).
+
+A *row index* is a pair of int64 tensors `(page_idx, slot_idx)` of shape `[2, B, T]`: for K (0) and V (1), batch
+`b` and output token `t`, the page and the row slot inside the page that holds that token row (see layout.py).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from ..allocator import BlockPool
+
+
+def token_rows(pool: BlockPool, dtype: torch.dtype, num_heads: int, head_dim: int, rows_per_page: int) -> torch.Tensor:
+    """The arena as `[num_pages, rows_per_page, num_heads, head_dim]` token rows of `dtype` (a view, no copy)."""
+    pages = pool.pages_as(dtype)
+    return pages[:, : rows_per_page * num_heads * head_dim].view(pool.num_pages, rows_per_page, num_heads, head_dim)
+
+
+def segment_row_index(
+    pages_t: torch.Tensor,
+    rows_per_page: int,
+    token_start: int,
+    token_end: int,
+    kv_batch: torch.Tensor,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Row index of tokens `[token_start, token_end)` of one dense segment whose pages are `pages_t` (int64).
+
+    `kv_batch` is the `[2, B, 1]` tensor `kv * B + b`. Returns `(page_idx, slot_idx)`, each `[2, B, n]`. O(B n).
+    """
+    two_b = kv_batch.numel()
+    t = torch.arange(token_start, token_end, device=pages_t.device, dtype=torch.int64)
+    rows = t * two_b + kv_batch
+    return pages_t[rows // rows_per_page], rows % rows_per_page

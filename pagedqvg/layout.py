@@ -1,0 +1,87 @@
+"""Byte layout of segments in pool pages, defined once (read by the cache, the kernels and the planner).
+
+A segment's storage is one or more *row regions*. A region is `rows` fixed-size rows of `row_bytes` bytes laid
+over its own pages: row `r` sits in page `pages[r // rows_per_page]` at byte `(r % rows_per_page) * row_bytes`,
+with `rows_per_page = page_bytes // row_bytes` (the tail of each page that cannot hold a whole row is waste).
+
+Dense (unquantized) segments hold one region of token rows. A token row is one token of one batch element of K or
+V: `num_heads * head_dim` values of the cache dtype. Rows are token-major, so a segment of `n` tokens and batch `B`
+has `2 * B * n` rows and row `(t * 2 + kv) * B + b` holds token `t` (0-based in the segment), `kv` (0 = K, 1 = V),
+batch `b`. Token-major order lets a truncated segment (rewind) give back its trailing pages.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+
+def dtype_itemsize(dtype: torch.dtype) -> int:
+    """Bytes per element of `dtype`."""
+    return torch.empty((), dtype=dtype).element_size()
+
+
+@dataclass(frozen=True, slots=True)
+class RowRegion:
+    """`row_bytes`-byte rows packed into `page_bytes`-byte pages. All sizes in bytes / rows / pages."""
+
+    row_bytes: int
+    page_bytes: int
+
+    def __post_init__(self) -> None:
+        if self.row_bytes <= 0:
+            raise ValueError(f"row_bytes must be > 0, got {self.row_bytes}")
+        if self.row_bytes > self.page_bytes:
+            raise ValueError(
+                f"one row of {self.row_bytes} B does not fit a page of {self.page_bytes} B; "
+                f"use page_bytes >= {-(-self.row_bytes // 256) * 256}"
+            )
+
+    @property
+    def rows_per_page(self) -> int:
+        return self.page_bytes // self.row_bytes
+
+    def pages_for_rows(self, rows: int) -> int:
+        """Pages needed for `rows` rows. O(1)."""
+        return -(-rows // self.rows_per_page)
+
+
+@dataclass(frozen=True, slots=True)
+class DenseTokenLayout:
+    """Layout of dense (cache-dtype) token rows for one layer shape."""
+
+    batch_size: int
+    num_heads: int
+    head_dim: int
+    dtype: torch.dtype
+    page_bytes: int
+
+    @property
+    def itemsize(self) -> int:
+        return dtype_itemsize(self.dtype)
+
+    @property
+    def row_bytes(self) -> int:
+        """Bytes of one token row (one token, one batch element, K or V, all heads)."""
+        return self.num_heads * self.head_dim * self.itemsize
+
+    @property
+    def region(self) -> RowRegion:
+        return RowRegion(self.row_bytes, self.page_bytes)
+
+    @property
+    def rows_per_page(self) -> int:
+        return self.page_bytes // self.row_bytes
+
+    def rows_for_tokens(self, tokens: int) -> int:
+        """Rows of a segment of `tokens` tokens (K and V, every batch element)."""
+        return 2 * self.batch_size * tokens
+
+    def pages_for_tokens(self, tokens: int) -> int:
+        """Pages of a dense segment of `tokens` tokens. O(1)."""
+        return self.region.pages_for_rows(self.rows_for_tokens(tokens))
+
+    def used_bytes_for_tokens(self, tokens: int) -> int:
+        """Bytes of K/V rows that `tokens` tokens really occupy (without page rounding)."""
+        return self.rows_for_tokens(tokens) * self.row_bytes
