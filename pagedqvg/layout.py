@@ -85,3 +85,50 @@ class DenseTokenLayout:
     def used_bytes_for_tokens(self, tokens: int) -> int:
         """Bytes of K/V rows that `tokens` tokens really occupy (without page rounding)."""
         return self.rows_for_tokens(tokens) * self.row_bytes
+
+
+@dataclass(frozen=True, slots=True)
+class PackedSegmentLayout:
+    """Layout of a PRQ-packed segment: two row regions, each on its own pages, token pages first.
+
+    - token region: `2 * B * n` packed token rows of `token_row_bytes` (pagedqvg/quant/format.py), token-major
+      like dense rows: row `(t * 2 + kv) * B + b`.
+    - codebook region: `2 * B * codebook_rows` rows of `codebook_row_bytes` (one (head, stage) centroid table
+      each): row `(kv * B + b) * codebook_rows + head * stages + stage`.
+    """
+
+    batch_size: int
+    token_row_bytes: int
+    codebook_row_bytes: int
+    codebook_rows: int  # per (kv, batch): num_heads * stages
+    page_bytes: int
+
+    @classmethod
+    def from_format(cls, batch_size: int, fmt, page_bytes: int) -> PackedSegmentLayout:
+        """From a `pagedqvg.quant.format.PackedFormat` (duck-typed to keep this module dependency-free)."""
+        return cls(batch_size, fmt.token_row_bytes, fmt.codebook_row_bytes, fmt.num_codebook_rows, page_bytes)
+
+    @property
+    def token_region(self) -> RowRegion:
+        return RowRegion(self.token_row_bytes, self.page_bytes)
+
+    @property
+    def codebook_region(self) -> RowRegion:
+        return RowRegion(self.codebook_row_bytes, self.page_bytes)
+
+    def token_pages(self, tokens: int) -> int:
+        return self.token_region.pages_for_rows(2 * self.batch_size * tokens)
+
+    def codebook_pages(self) -> int:
+        return self.codebook_region.pages_for_rows(2 * self.batch_size * self.codebook_rows)
+
+    def pages_for_tokens(self, tokens: int) -> int:
+        """Pages of a packed segment of `tokens` tokens (token rows + codebooks). O(1)."""
+        return self.token_pages(tokens) + self.codebook_pages()
+
+    def used_bytes_for_tokens(self, tokens: int) -> int:
+        """Bytes the packed rows and codebooks really occupy (without page rounding)."""
+        return (
+            2 * self.batch_size * tokens * self.token_row_bytes
+            + 2 * self.batch_size * self.codebook_rows * self.codebook_row_bytes
+        )
