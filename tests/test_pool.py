@@ -1,0 +1,205 @@
+"""BlockPool on tiny pools: exact page ids, counts and stats; a Hypothesis state machine over alloc/free."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from hypothesis import settings
+from hypothesis import strategies as st
+from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
+
+from pagedqvg import BlockPool, PageOwnershipError, PoolExhaustedError
+from pagedqvg.allocator import PAGE_ALIGN_BYTES, available_memory_bytes
+
+
+def test_fresh_pool_hands_out_lowest_ids_first_and_reuses_lifo():
+    pool = BlockPool(capacity_bytes=4 * 256 + 100, page_bytes=256)
+    assert pool.num_pages == 4
+    assert pool.arena.numel() == 4 * 256
+    assert pool.arena.data_ptr() % PAGE_ALIGN_BYTES == 0
+    assert pool.alloc(2, "a") == [0, 1]
+    assert pool.alloc(1, "b") == [2]
+    pool.free([0, 1], "a")
+    assert pool.alloc(2, "c") == [0, 1]  # freed pages come back in the same order
+    s = pool.stats()
+    assert (s.total_pages, s.used_pages, s.free_pages, s.held_bytes) == (4, 3, 1, 3 * 256)
+    assert s.owner_pages == (("b", 1), ("c", 2))
+    assert s.high_water_pages == 3
+    pool.check()
+
+
+def test_alloc_zero_and_all_or_nothing():
+    pool = BlockPool(capacity_bytes=3 * 512, page_bytes=512)
+    assert pool.alloc(0, "a") == []
+    pool.alloc(2, "a")
+    before = (pool.stats(), pool.debug_state())
+    with pytest.raises(PoolExhaustedError) as err:
+        pool.alloc(2, "b")
+    msg = str(err.value)
+    assert "asked for 2 pages" in msg and "only 1 of 3 pages are free" in msg and "a#" not in msg
+    assert "a: 2 pages" in msg and "512 B" in msg
+    assert isinstance(err.value, MemoryError)
+    assert (pool.stats(), pool.debug_state()) == before
+
+
+def test_used_bytes_and_waste():
+    pool = BlockPool(capacity_bytes=4 * 256, page_bytes=256)
+    pool.alloc(3, "a")
+    pool.set_used_bytes("a", 600)
+    s = pool.stats()
+    assert (s.held_bytes, s.used_bytes, s.waste_bytes) == (768, 600, 168)
+    pool.free([0, 1, 2], "a")
+    s = pool.stats()
+    assert (s.held_bytes, s.used_bytes, s.waste_bytes, s.high_water_pages) == (0, 0, 0, 3)
+    assert s.high_water_bytes == 768
+    pool.check()
+
+
+@pytest.mark.parametrize(
+    ("pages", "owner", "needle"),
+    [
+        ([1], "a", "already free"),
+        ([0], "b", "belongs to a"),
+        ([0, 0], "a", "listed twice"),
+        ([9], "a", "does not exist"),
+        ([-1], "a", "does not exist"),
+    ],
+)
+def test_bad_free_changes_nothing(pages, owner, needle):
+    pool = BlockPool(capacity_bytes=4 * 256, page_bytes=256)
+    pool.alloc(1, "a")
+    before = (pool.stats(), pool.debug_state())
+    with pytest.raises(PageOwnershipError, match=needle):
+        pool.free(pages, owner)
+    assert (pool.stats(), pool.debug_state()) == before
+    pool.check()
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "needle"),
+    [
+        ({"capacity_bytes": 0, "page_bytes": 256}, "capacity_bytes must be > 0, got 0"),
+        ({"capacity_bytes": -5, "page_bytes": 256}, "got -5"),
+        ({"capacity_bytes": 1024, "page_bytes": 0}, "page_bytes must be > 0"),
+        ({"capacity_bytes": 1024, "page_bytes": 300}, "multiple of 256"),
+        ({"capacity_bytes": 100, "page_bytes": 256}, "below one page"),
+        ({"capacity_bytes": 1024.0, "page_bytes": 256}, "must be an int"),
+        ({"capacity_bytes": 1024, "page_bytes": 256, "device": "tpu"}, "device"),
+        ({"capacity_bytes": 1024, "page_bytes": 256, "device": "nonsense"}, "unknown device"),
+    ],
+)
+def test_bad_constructor_arguments(kwargs, needle):
+    with pytest.raises(ValueError, match=needle):
+        BlockPool(**kwargs)
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the no-CUDA message")
+def test_cuda_without_cuda_is_a_clear_error():
+    with pytest.raises(ValueError, match="CUDA is not available"):
+        BlockPool(capacity_bytes=1024, page_bytes=256, device="cuda")
+
+
+def test_bad_alloc_arguments():
+    pool = BlockPool(capacity_bytes=1024, page_bytes=256)
+    with pytest.raises(ValueError, match="n must be an int >= 0"):
+        pool.alloc(-1, "a")
+    with pytest.raises(ValueError, match="owner must be a non-empty str"):
+        pool.alloc(1, "")
+
+
+def test_pages_as_typed_views_share_the_arena():
+    pool = BlockPool(capacity_bytes=2 * 256, page_bytes=256)
+    bf = pool.pages_as(torch.bfloat16)
+    assert bf.shape == (2, 128) and bf.dtype == torch.bfloat16
+    f32 = pool.pages_as(torch.float32)
+    assert f32.shape == (2, 64)
+    f32[1, 0] = 1.0
+    assert pool.arena[256:260].view(torch.float32).item() == 1.0
+    assert pool.pages_as(torch.float32) is f32  # cached
+
+
+def test_from_free_memory_fraction():
+    pool = BlockPool.from_free_memory(1e-6, page_bytes=256)
+    expected = int(available_memory_bytes("cpu") * 1e-6) // 256
+    assert abs(pool.num_pages - expected) <= 2  # free memory moves a little between the two reads
+    for bad in (0, 1.5, -0.1, True, "0.5"):
+        with pytest.raises(ValueError, match="fraction must be"):
+            BlockPool.from_free_memory(bad)
+
+
+def test_view_buffer_is_reused_and_grows():
+    pool = BlockPool(capacity_bytes=1024, page_bytes=256)
+    a = pool.view_buffer(10, torch.float32)
+    b = pool.view_buffer(5, torch.bfloat16)
+    assert a.data_ptr() == b.data_ptr()
+    c = pool.view_buffer(10_000, torch.float32)
+    assert c.numel() == 10_000
+
+
+class PoolMachine(RuleBasedStateMachine):
+    """Random alloc/free/double-free/foreign-free/over-budget with several owners; a model tracks ownership."""
+
+    OWNERS = ("a", "b", "c")
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.pool = BlockPool(capacity_bytes=12 * 256, page_bytes=256)
+        self.held: dict[str, list[int]] = {o: [] for o in self.OWNERS}
+        self.high = 0
+
+    def _snapshot(self):
+        return self.pool.stats(), self.pool.debug_state()
+
+    @rule(owner=st.sampled_from(OWNERS), n=st.integers(0, 14))
+    def alloc(self, owner, n):
+        free = self.pool.num_free_pages
+        before = self._snapshot()
+        if n > free:
+            with pytest.raises(PoolExhaustedError):
+                self.pool.alloc(n, owner)
+            assert self._snapshot() == before
+            return
+        pages = self.pool.alloc(n, owner)
+        assert len(pages) == len(set(pages)) == n
+        for o in self.OWNERS:
+            assert not set(pages) & set(self.held[o])
+        self.held[owner].extend(pages)
+        self.high = max(self.high, sum(len(v) for v in self.held.values()))
+
+    @precondition(lambda self: any(self.held.values()))
+    @rule(data=st.data())
+    def free_some(self, data):
+        owner = data.draw(st.sampled_from([o for o in self.OWNERS if self.held[o]]))
+        pages = data.draw(st.lists(st.sampled_from(self.held[owner]), unique=True, min_size=1))
+        self.pool.set_used_bytes(owner, 0)  # an owner lowers its reported use before it gives pages back
+        self.pool.free(pages, owner)
+        self.held[owner] = [p for p in self.held[owner] if p not in pages]
+
+    @rule(data=st.data())
+    def bad_free(self, data):
+        all_held = {p: o for o, ps in self.held.items() for p in ps}
+        page = data.draw(st.integers(0, self.pool.num_pages - 1))
+        owner = data.draw(st.sampled_from(self.OWNERS))
+        # a duplicate in one call when the owner holds the page; otherwise a double free or a foreign free
+        pages = [page, page] if all_held.get(page) == owner else [page]
+        before = self._snapshot()
+        with pytest.raises(PageOwnershipError):
+            self.pool.free(pages, owner)
+        assert self._snapshot() == before
+
+    @rule(owner=st.sampled_from(OWNERS), used=st.integers(0, 4096))
+    def report_used(self, owner, used):
+        self.pool.set_used_bytes(owner, min(used, len(self.held[owner]) * 256))
+
+    @invariant()
+    def consistent(self):
+        self.pool.check()
+        s = self.pool.stats()
+        assert s.used_pages == sum(len(v) for v in self.held.values())
+        assert dict(s.owner_pages) == {o: len(v) for o, v in self.held.items() if v}
+        assert s.high_water_pages == self.high
+        assert s.waste_bytes == s.held_bytes - s.used_bytes >= 0
+
+
+TestPoolMachine = PoolMachine.TestCase
+TestPoolMachine.settings = settings(max_examples=60, stateful_step_count=40, deadline=None)
