@@ -10,6 +10,7 @@ so every error leaves the cache and the pool exactly as they were.
 from __future__ import annotations
 
 import operator
+import warnings
 from dataclasses import dataclass, field
 
 import torch
@@ -19,6 +20,8 @@ from .errors import CacheClosedError, CacheConfigError, SequencingError
 from .kernels import page_fill, page_write, view_build
 from .kernels.rows import segment_row_index, token_rows
 from .layout import DenseTokenLayout
+from .packing import PackedStore
+from .quant import QuantConfig
 from .slot_map import SlotMap
 from .view import CausalAttentionKVView
 
@@ -30,9 +33,15 @@ _PLAN_CACHE_SIZE = 8
 class Segment:
     """One appended chunk of one layer: its pages (token rows, see layout.py). Its global range is its index key."""
 
-    pages: list[int]
-    pages_t: torch.Tensor  # the same page ids as an int64 tensor on the cache's device
-    kind: str = "dense"
+    pages: list[int]  # every page of the segment (packed: token pages, then codebook pages)
+    pages_t: torch.Tensor  # dense: all pages; packed: the token pages (int64, on the cache's device)
+    kind: str = "dense"  # "dense" or "packed"
+    cb_pages_t: torch.Tensor | None = None  # packed: the codebook pages
+    n_token_pages: int = 0  # packed: len(pages_t)
+
+    @property
+    def packed(self) -> bool:
+        return self.kind == "packed"
 
 
 @dataclass(slots=True)
@@ -49,6 +58,8 @@ class _WritePlan:
     pin_start: int
     slot_map: SlotMap
     free_entries: list[RangeEntry[Segment]] = field(default_factory=list)
+    unpack_entries: list[RangeEntry[Segment]] = field(default_factory=list)
+    pressure_entries: list[RangeEntry[Segment]] = field(default_factory=list)
 
 
 def _as_index(name: str, value: object, debug_name: str) -> int:
@@ -142,9 +153,10 @@ class PagedCausalKVCache:
         use_int_indices: bool = False,
         global_end_index: torch.Tensor | None = None,
         local_end_index: torch.Tensor | None = None,
-        quant: object | None = None,
+        quant: QuantConfig | None = None,
         name: str = "layer",
         reuse_view_buffer: bool = False,
+        pack_under_pressure: bool = False,
     ) -> None:
         if not isinstance(pool, BlockPool):
             raise CacheConfigError(f"pool must be a pagedqvg.BlockPool, got {type(pool).__name__}")
@@ -165,10 +177,13 @@ class PagedCausalKVCache:
             raise CacheConfigError(f"unknown device {device!r}") from None
         if dev.type != pool.device.type or (dev.index is not None and dev.index != pool.device.index):
             raise CacheConfigError(f"device {dev} differs from the pool's device {pool.device}")
-        if quant is not None and getattr(quant, "bits", None) is not None:
-            raise NotImplementedError(
-                "quantized segments (QuantConfig with bits set) are not implemented yet; pass quant=None"
-            )
+        if quant is not None:
+            if not isinstance(quant, QuantConfig):
+                raise CacheConfigError(f"quant must be a pagedqvg.QuantConfig or None, got {type(quant).__name__}")
+            try:
+                quant.validate(head_dim=self.head_dim)
+            except ValueError as exc:
+                raise CacheConfigError(f"quant: {exc}") from None
         self.pool = pool
         self.device = pool.device
         self.dtype = dtype
@@ -184,6 +199,14 @@ class PagedCausalKVCache:
                 f"page_bytes >= {-(-self.layout.row_bytes // 256) * 256}"
             )
         self._rpp = self.layout.rows_per_page
+        self._packed: PackedStore | None = None
+        if quant is not None and quant.enabled:
+            try:
+                self._packed = PackedStore(pool, self.batch_size, self._num_heads, self.head_dim, dtype, quant)
+            except ValueError as exc:
+                raise CacheConfigError(f"quant: {exc}") from None
+        self.pack_under_pressure = bool(pack_under_pressure)
+        self.pack_skipped = 0  # chunks left dense because they held non-finite values
         self._rows = token_rows(pool, dtype, self._num_heads, self.head_dim, self._rpp)
         b = torch.arange(self.batch_size, dtype=torch.int64, device=self.device)
         kv = torch.arange(2, dtype=torch.int64, device=self.device)
@@ -406,36 +429,181 @@ class PagedCausalKVCache:
         return _WritePlan(ls, le, a, C, W, e, le, P, new_map, free_entries)
 
     # ------------------------------------------------------------ row indices
-    def _row_index(self, global_ranges: list[tuple[int, int]]) -> tuple[torch.Tensor, torch.Tensor]:
-        pages_parts: list[torch.Tensor] = []
-        slots_parts: list[torch.Tensor] = []
+    def _dense_index(self, entry: RangeEntry[Segment], lo: int, hi: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Row index `[2, B, hi - lo]` of global tokens `[lo, hi)` of a dense segment."""
+        return segment_row_index(entry.value.pages_t, self._rpp, lo - entry.start, hi - entry.start, self._kv_batch)
+
+    def _view_parts(self, global_ranges: list[tuple[int, int]]) -> list[tuple]:
+        """The view as parts, in output order: `("d", page_idx, slot_idx)` for dense rows (adjacent dense pieces
+        merged into one) and `("p", segment, t0, t1)` for packed token ranges."""
+        parts: list[tuple] = []
+        pending_p: list[torch.Tensor] = []
+        pending_s: list[torch.Tensor] = []
+
+        def flush() -> None:
+            if pending_p:
+                if len(pending_p) == 1:
+                    parts.append(("d", pending_p[0], pending_s[0]))
+                else:
+                    parts.append(("d", torch.cat(pending_p, dim=2), torch.cat(pending_s, dim=2)))
+                pending_p.clear()
+                pending_s.clear()
+
         for g0, g1 in global_ranges:
             for entry in self._index.overlapping(g0, g1):
                 lo, hi = max(g0, entry.start), min(g1, entry.end)
-                p, s = segment_row_index(
-                    entry.value.pages_t, self._rpp, lo - entry.start, hi - entry.start, self._kv_batch
-                )
-                pages_parts.append(p)
-                slots_parts.append(s)
-        if not pages_parts:
-            empty = torch.empty(2, self.batch_size, 0, dtype=torch.int64, device=self.device)
-            return empty, empty
-        if len(pages_parts) == 1:
-            return pages_parts[0], slots_parts[0]
-        return torch.cat(pages_parts, dim=2), torch.cat(slots_parts, dim=2)
+                if entry.value.packed:
+                    flush()
+                    parts.append(("p", entry.value, lo - entry.start, hi - entry.start))
+                else:
+                    p, sl = self._dense_index(entry, lo, hi)
+                    pending_p.append(p)
+                    pending_s.append(sl)
+        flush()
+        return parts
 
-    def _cached_row_index(self, key: tuple, global_ranges: list[tuple[int, int]]):
+    def _cached_parts(self, key: tuple, global_ranges: list[tuple[int, int]]) -> list[tuple]:
         hit = self._plans.get(key)
         if hit is None:
             if len(self._plans) >= _PLAN_CACHE_SIZE:
                 self._plans.clear()
-            hit = self._row_index(global_ranges)
+            hit = self._view_parts(global_ranges)
             self._plans[key] = hit
         return hit
 
     def _structure_changed(self) -> None:
         self._version += 1
         self._plans.clear()
+
+    # ------------------------------------------------------------ segments: pages, packing, accounting
+    def _new_dense_segment(self, tokens: int) -> Segment:
+        pages = self.pool.alloc(self.layout.pages_for_tokens(tokens), self.owner)
+        return Segment(pages, torch.tensor(pages, dtype=torch.int64, device=self.device))
+
+    def _read_dense(self, entry: RangeEntry[Segment]) -> torch.Tensor:
+        """All tokens of a dense segment as `[2, B, n, H, D]` (a temporary)."""
+        p, sl = self._dense_index(entry, entry.start, entry.end)
+        return self._rows[p, sl]
+
+    def _packed_net_pages(self, entry: RangeEntry[Segment]) -> int:
+        """Pages a dense segment gives back when packed (negative: packing needs more)."""
+        assert self._packed is not None
+        return len(entry.value.pages) - self._packed.pages_for_tokens(entry.end - entry.start)
+
+    def _pack(self, entry: RangeEntry[Segment]) -> bool:
+        """Replace a dense segment by its PRQ-packed form (its dense pages go back to the pool). False (and the
+        segment stays dense) when it holds non-finite values or the pool cannot hold the packed rows."""
+        store = self._packed
+        assert store is not None and not entry.value.packed
+        if self._packed_net_pages(entry) + self.pool.num_free_pages < 0:
+            return False
+        try:
+            tok, cb = store.quantize(self._read_dense(entry))
+        except ValueError as exc:
+            self.pack_skipped += 1
+            warnings.warn(f"{self.debug_name}: chunk [{entry.start}, {entry.end}) stays unpacked: {exc}", stacklevel=3)
+            return False
+        n = entry.end - entry.start
+        self.pool.free(entry.value.pages, self.owner)
+        pages = self.pool.alloc(store.pages_for_tokens(n), self.owner)
+        n_tok = store.token_pages(n)
+        pages_t = torch.tensor(pages, dtype=torch.int64, device=self.device)
+        seg = Segment(pages, pages_t[:n_tok], "packed", pages_t[n_tok:], n_tok)
+        store.write(seg.pages_t, seg.cb_pages_t, tok, cb)
+        entry.value = seg
+        return True
+
+    def _unpack(self, entry: RangeEntry[Segment]) -> None:
+        """Turn a packed segment back into dense rows (a rewrite touches it); the policy repacks it later."""
+        store = self._packed
+        seg = entry.value
+        assert store is not None and seg.packed and seg.cb_pages_t is not None
+        n = entry.end - entry.start
+        dense = store.dequantize(seg.pages_t, seg.cb_pages_t, 0, n, 0, self._num_heads)
+        self.pool.free(seg.pages, self.owner)
+        entry.value = self._new_dense_segment(n)
+        p, sl = self._dense_index(entry, entry.start, entry.end)
+        self._rows.index_put_((p, sl), dense)
+
+    def _sink_segment_starts(self) -> set[int]:
+        """Segments holding sink slots `[0, E)` or the pinned slots: they follow the sink policy."""
+        ranges = self._map.to_global(0, min(self.effective_sink_tokens(), self._L))
+        if self._P >= 0 and self._PL > 0:
+            ranges += self._map.to_global(self._P, min(self._P + self._PL, self._L))
+        return {e.start for g0, g1 in ranges for e in self._index.overlapping(g0, g1)}
+
+    def _apply_pack_policy(self, keep_start: int, keep_end: int) -> None:
+        """After an advance: pack completed non-sink chunks older than `keep_recent_chunks`, and (with `sink`) sink
+        chunks past `sink_keep_chunks`. The current chunk and segments overlapping `[keep_start, keep_end)` (this
+        call's write) stay dense."""
+        cfg = self.quant
+        assert cfg is not None
+        entries = list(self._index)
+        current = entries[-1] if entries else None
+        sinks = self._sink_segment_starts()
+        sink_entries = [e for e in entries if e.start in sinks and e is not current]
+        others = [e for e in entries if e.start not in sinks and e is not current]
+        targets = others[: max(0, len(others) - cfg.keep_recent_chunks)]
+        if cfg.sink:
+            targets += sink_entries[cfg.sink_keep_chunks :]
+        changed = False
+        for entry in targets:
+            if entry.value.packed or (entry.start < keep_end and keep_start < entry.end):
+                continue
+            changed |= self._pack(entry)
+        if changed:
+            self._structure_changed()
+
+    def _pressure_plan(self, deficit: int, plan: _WritePlan, s: int, e: int) -> list[RangeEntry[Segment]]:
+        """Dense chunks to pack early so that `deficit` more pages become free, oldest first (non-sink before
+        sink); empty if even packing all of them would not be enough."""
+        excluded = {x.start for x in plan.free_entries} | {x.start for x in plan.unpack_entries}
+        sinks = self._sink_segment_starts()
+        candidates = [
+            x for x in self._index if not x.value.packed and x.start not in excluded and not (x.start < e and s < x.end)
+        ]
+        candidates.sort(key=lambda x: x.start in sinks)
+        chosen: list[RangeEntry[Segment]] = []
+        for entry in candidates:
+            if deficit <= 0:
+                break
+            gain = self._packed_net_pages(entry)
+            if gain > 0:
+                chosen.append(entry)
+                deficit -= gain
+        return chosen if deficit <= 0 else []
+
+    def _report_used(self) -> None:
+        """Tell the pool how many bytes of our pages hold retained rows (the rest is waste)."""
+        self.pool.set_used_bytes(self.owner, self.memory_breakdown()["used_bytes"])
+
+    def memory_breakdown(self) -> dict[str, int]:
+        """Exact bytes: pages held by dense and packed segments, tokens retained in each, and the bytes those
+        retained rows (plus codebooks) occupy. O(segments x runs)."""
+        live = self._map.global_ranges()
+        out = {"dense_pages": 0, "packed_pages": 0, "dense_tokens": 0, "packed_tokens": 0, "used_bytes": 0}
+        for entry in self._index:
+            seg = entry.value
+            tokens = sum(max(0, min(g1, entry.end) - max(g0, entry.start)) for g0, g1 in live)
+            if seg.packed:
+                assert self._packed is not None
+                out["packed_pages"] += len(seg.pages)
+                out["packed_tokens"] += tokens
+                out["used_bytes"] += self._packed.layout.used_bytes_for_tokens(tokens)
+            else:
+                out["dense_pages"] += len(seg.pages)
+                out["dense_tokens"] += tokens
+                out["used_bytes"] += self.layout.used_bytes_for_tokens(tokens)
+        out["dense_bytes"] = out["dense_pages"] * self.pool.page_bytes
+        out["packed_bytes"] = out["packed_pages"] * self.pool.page_bytes
+        return out
+
+    def _sync_cursors(self) -> None:
+        if self._use_int:
+            self.global_end_index_int, self.local_end_index_int = self._G, self._L
+        else:
+            self._g_tensor.fill_(self._G)
+            self._l_tensor.fill_(self._L)
 
     # ------------------------------------------------------------ the call
     def update_and_get_attention_kv(
@@ -462,42 +630,53 @@ class PagedCausalKVCache:
             if r < 0:
                 raise ValueError(f"{self.debug_name}: recent_window_tokens={r} is negative (valid: None or >= 0)")
         plan = self._plan(s, n)
-
-        if plan.new_tokens:
-            pool = self.pool
-            need = self.layout.pages_for_tokens(plan.new_tokens)
-            freed = sum(len(entry.value.pages) for entry in plan.free_entries)
-            if need > pool.num_free_pages + freed:
+        e = s + n
+        pool = self.pool
+        if self._packed is not None:
+            plan.unpack_entries = [x for x in self._index.overlapping(s, min(e, self._G)) if x.value.packed]
+        if plan.new_tokens or plan.unpack_entries:
+            need = self.layout.pages_for_tokens(plan.new_tokens) if plan.new_tokens else 0
+            need += sum(self.layout.pages_for_tokens(x.end - x.start) - len(x.value.pages) for x in plan.unpack_entries)
+            freed = sum(len(x.value.pages) for x in plan.free_entries)
+            deficit = need - (pool.num_free_pages + freed)
+            if deficit > 0 and self._packed is not None and self.pack_under_pressure:
+                plan.pressure_entries = self._pressure_plan(deficit, plan, s, e)
+            if deficit > 0 and not plan.pressure_entries:
                 raise pool.exhausted_error(
                     need,
                     f"{self.debug_name}: appending {plan.new_tokens} tokens at {self._G} ({freed} pages "
                     f"freed by this call's eviction count as free)",
                 )
-            for entry in plan.free_entries:
-                self._index.remove(entry)
-                pool.free(entry.value.pages, self.owner)
-            pages = pool.alloc(need, self.owner)
-            segment = Segment(pages, torch.tensor(pages, dtype=torch.int64, device=self.device))
-            self._index.insert(self._G, plan.global_end, segment)
+            for x in plan.pressure_entries:
+                self._pack(x)
+            for x in plan.free_entries:
+                self._index.remove(x)
+                pool.free(x.value.pages, self.owner)
+            for x in plan.unpack_entries:
+                self._unpack(x)
+            if plan.new_tokens:
+                self._index.insert(self._G, plan.global_end, self._new_dense_segment(plan.new_tokens))
             self._C, self._W = plan.cache_size, plan.window
             self._G, self._L, self._P, self._map = plan.global_end, plan.local_end, plan.pin_start, plan.slot_map
             self._structure_changed()
-            pool.set_used_bytes(self.owner, self.layout.used_bytes_for_tokens(self._L))
-            if self._use_int:
-                self.global_end_index_int, self.local_end_index_int = self._G, self._L
-            else:
-                self._g_tensor.fill_(self._G)
-                self._l_tensor.fill_(self._L)
-            if hin != self._num_heads:
+            if plan.new_tokens and self._packed is not None:
+                self._apply_pack_policy(s, e)
+            self._report_used()
+            self._sync_cursors()
+            if plan.new_tokens and hin != self._num_heads:
                 # Heads this call does not write read as zeros (the dense cache would show stale rolled data).
-                fill_p, fill_s = self._cached_row_index(
-                    (self._version, "new", self._G - plan.new_tokens), [(self._G - plan.new_tokens, self._G)]
-                )
+                first_new = self._G - plan.new_tokens
+                entry = self._index.find(first_new)
+                assert entry is not None
+                fill_p, fill_s = self._dense_index(entry, first_new, self._G)
                 page_fill(self._rows, fill_p, fill_s, 0.0)
 
-        e = s + n
-        wp, ws = self._cached_row_index((self._version, "w", s, e), [(s, e)])
-        page_write(self._rows, wp, ws, h0, key, value)
+        wkey = (self._version, "w", s, e)
+        write_parts = self._plans.get(wkey)
+        if write_parts is None:
+            write_parts = self._cached_parts(wkey, [(s, e)])
+        assert len(write_parts) == 1 and write_parts[0][0] == "d"
+        page_write(self._rows, write_parts[0][1], write_parts[0][2], h0, key, value)
 
         ranges = view_slot_ranges(
             local_end=self._L,
@@ -510,19 +689,35 @@ class PagedCausalKVCache:
             recent_window_tokens=r,
         )
         vkey = (self._version, "v", *ranges)
-        hit = self._plans.get(vkey)
-        if hit is None:
-            granges = [g for a, b in ranges for g in self._map.to_global(a, b)]
-            hit = self._cached_row_index(vkey, granges)
-        vp, vs = hit
-        tokens = vp.shape[2]
+        parts = self._plans.get(vkey)
+        if parts is None:
+            parts = self._cached_parts(vkey, [g for a, b in ranges for g in self._map.to_global(a, b)])
+        tokens = sum(p[1].shape[2] if p[0] == "d" else p[3] - p[2] for p in parts)
         shape = (2, self.batch_size, tokens, hin, self.head_dim)
         if self.reuse_view_buffer:
             out = self.pool.view_buffer(2 * self.batch_size * tokens * hin * self.head_dim, self.dtype).view(shape)
         else:
             out = torch.empty(shape, dtype=self.dtype, device=self.device)
-        view_build(self._rows, vp, vs, h0, hin, out)
+        if len(parts) == 1 and parts[0][0] == "d":
+            view_build(self._rows, parts[0][1], parts[0][2], h0, hin, out)
+        else:
+            self._build_mixed_view(parts, h0, hin, out)
         return CausalAttentionKVView(out[0], out[1], plan.ls, plan.le, self._L, self._G)
+
+    def _build_mixed_view(self, parts: list[tuple], h0: int, hin: int, out: torch.Tensor) -> None:
+        """Torch path for views with packed parts: dense rows gathered, packed rows dequantized, part by part."""
+        heads = self._rows[:, :, h0 : h0 + hin]
+        o = 0
+        for part in parts:
+            if part[0] == "d":
+                m = part[1].shape[2]
+                out[:, :, o : o + m] = heads[part[1], part[2]]
+            else:
+                _, seg, t0, t1 = part
+                m = t1 - t0
+                assert self._packed is not None
+                out[:, :, o : o + m] = self._packed.dequantize(seg.pages_t, seg.cb_pages_t, t0, t1, h0, hin)
+            o += m
 
     # ------------------------------------------------------------ other calls
     def pin_current_chunk(self, num_tokens: int) -> None:
@@ -586,22 +781,28 @@ class PagedCausalKVCache:
             self.pool.free(entry.value.pages, self.owner)
         if straddler is not None:
             seg = straddler.value
-            keep = self.layout.pages_for_tokens(straddler.end - straddler.start)
-            if keep < len(seg.pages):
-                self.pool.free(seg.pages[keep:], self.owner)
-                del seg.pages[keep:]
-                seg.pages_t = seg.pages_t[:keep].clone()
+            tokens = straddler.end - straddler.start
+            if seg.packed:  # a truncated packed segment keeps its codebooks
+                assert self._packed is not None
+                keep = self._packed.token_pages(tokens)
+                if keep < seg.n_token_pages:
+                    self.pool.free(seg.pages[keep : seg.n_token_pages], self.owner)
+                    del seg.pages[keep : seg.n_token_pages]
+                    seg.pages_t = seg.pages_t[:keep].clone()
+                    seg.n_token_pages = keep
+            else:
+                keep = self.layout.pages_for_tokens(tokens)
+                if keep < len(seg.pages):
+                    self.pool.free(seg.pages[keep:], self.owner)
+                    del seg.pages[keep:]
+                    seg.pages_t = seg.pages_t[:keep].clone()
         self._G, self._L = pos, new_l
         self._map = self._map.truncated(new_l)
         if new_l < self._P + self._PL:
             self._P, self._PL = -1, 0
         self._structure_changed()
-        self.pool.set_used_bytes(self.owner, self.layout.used_bytes_for_tokens(new_l))
-        if self._use_int:
-            self.global_end_index_int, self.local_end_index_int = self._G, self._L
-        else:
-            self._g_tensor.fill_(self._G)
-            self._l_tensor.fill_(self._L)
+        self._report_used()
+        self._sync_cursors()
 
     def close(self) -> None:
         """Give every page back; afterwards every call raises CacheClosedError. Idempotent."""
