@@ -15,6 +15,7 @@ from .errors import (
     PoolInvariantError,
     SequencingError,
 )
+from .quant import QuantConfig
 from .view import CausalAttentionKVView
 
 __version__ = "0.1.0"
@@ -30,6 +31,7 @@ __all__ = [
     "PoolExhaustedError",
     "PoolInvariantError",
     "PoolStats",
+    "QuantConfig",
     "RangeIndex",
     "SequencingError",
     "make_layer_caches",

@@ -38,6 +38,7 @@ class Segment:
     kind: str = "dense"  # "dense" or "packed"
     cb_pages_t: torch.Tensor | None = None  # packed: the codebook pages
     n_token_pages: int = 0  # packed: len(pages_t)
+    pack_failed: bool = False  # held non-finite values when the policy tried to pack it (retried after a rewrite)
 
     @property
     def packed(self) -> bool:
@@ -296,6 +297,16 @@ class PagedCausalKVCache:
         """Global token ranges the slots hold, in slot order (sink, pinned, tail)."""
         return self._map.global_ranges()
 
+    def last_view_sources(self) -> list[tuple[int, int, str]]:
+        """Where the rows of the last returned view came from, in order: `(global_start, global_end, kind)` with
+        kind "dense" or "packed". Valid until the cache changes. O(runs + segments)."""
+        out: list[tuple[int, int, str]] = []
+        for a, b in getattr(self, "_last_view_ranges", []):
+            for g0, g1 in self._map.to_global(a, b):
+                for entry in self._index.overlapping(g0, g1):
+                    out.append((max(g0, entry.start), min(g1, entry.end), entry.value.kind))
+        return out
+
     def segments(self) -> list[tuple[int, int, int]]:
         """`(global_start, global_end, pages)` of each stored segment, in order."""
         return [(e.start, e.end, len(e.value.pages)) for e in self._index]
@@ -501,6 +512,7 @@ class PagedCausalKVCache:
             tok, cb = store.quantize(self._read_dense(entry))
         except ValueError as exc:
             self.pack_skipped += 1
+            entry.value.pack_failed = True
             warnings.warn(f"{self.debug_name}: chunk [{entry.start}, {entry.end}) stays unpacked: {exc}", stacklevel=3)
             return False
         n = entry.end - entry.start
@@ -548,7 +560,7 @@ class PagedCausalKVCache:
             targets += sink_entries[cfg.sink_keep_chunks :]
         changed = False
         for entry in targets:
-            if entry.value.packed or (entry.start < keep_end and keep_start < entry.end):
+            if entry.value.packed or entry.value.pack_failed or (entry.start < keep_end and keep_start < entry.end):
                 continue
             changed |= self._pack(entry)
         if changed:
@@ -568,7 +580,7 @@ class PagedCausalKVCache:
             if deficit <= 0:
                 break
             gain = self._packed_net_pages(entry)
-            if gain > 0:
+            if gain > 0 and not entry.value.pack_failed and bool(torch.isfinite(self._read_dense(entry)).all()):
                 chosen.append(entry)
                 deficit -= gain
         return chosen if deficit <= 0 else []
@@ -632,8 +644,10 @@ class PagedCausalKVCache:
         plan = self._plan(s, n)
         e = s + n
         pool = self.pool
+        touched: list[RangeEntry[Segment]] = []
         if self._packed is not None:
-            plan.unpack_entries = [x for x in self._index.overlapping(s, min(e, self._G)) if x.value.packed]
+            touched = self._index.overlapping(s, min(e, self._G))
+            plan.unpack_entries = [x for x in touched if x.value.packed]
         if plan.new_tokens or plan.unpack_entries:
             need = self.layout.pages_for_tokens(plan.new_tokens) if plan.new_tokens else 0
             need += sum(self.layout.pages_for_tokens(x.end - x.start) - len(x.value.pages) for x in plan.unpack_entries)
@@ -648,7 +662,8 @@ class PagedCausalKVCache:
                     f"freed by this call's eviction count as free)",
                 )
             for x in plan.pressure_entries:
-                self._pack(x)
+                packed_ok = self._pack(x)
+                assert packed_ok, "pressure candidates are checked finite and to free pages"
             for x in plan.free_entries:
                 self._index.remove(x)
                 pool.free(x.value.pages, self.owner)
@@ -671,6 +686,8 @@ class PagedCausalKVCache:
                 fill_p, fill_s = self._dense_index(entry, first_new, self._G)
                 page_fill(self._rows, fill_p, fill_s, 0.0)
 
+        for x in touched:
+            x.value.pack_failed = False  # new values: the policy may try again
         wkey = (self._version, "w", s, e)
         write_parts = self._plans.get(wkey)
         if write_parts is None:
@@ -688,6 +705,7 @@ class PagedCausalKVCache:
             local_start=plan.ls,
             recent_window_tokens=r,
         )
+        self._last_view_ranges = ranges
         vkey = (self._version, "v", *ranges)
         parts = self._plans.get(vkey)
         if parts is None:
