@@ -1,0 +1,258 @@
+"""PRQ (Quant-VideoGen's progressive residual quantization), pure torch: `prq_quantize` and `prq_dequantize`.
+
+Per head, over the S tokens of one segment (vectors of D channels):
+
+1. `stages` rounds of k-means with K = `centroids` clusters, `kmeans_iters` assign/update iterations each, then one
+   final assignment against the stored (cache-dtype) centroids; residual -= centroid[id]. Assign = nearest centroid by
+   squared L2 (ties to the lowest index); update = mean in fp32; an empty cluster keeps its old centroid.
+   Init: K token indices drawn uniformly with replacement from a CPU `torch.Generator` seeded with `cfg.seed` (a fresh
+   draw per stage, per head), or `init_centroids` (warm start, e.g. the previous chunk's codebooks).
+2. The final residual is block-quantized per token, per head, per `block_size` channels with fp8 e4m3 scale (and zero).
+
+Numerics (everything below keeps outputs finite; inputs must be finite, else `ValueError`):
+
+- k-means runs on the residual divided by a per-head power of two >= its max |value| (exact in fp32, so assignments
+  and centroids are those of unscaled fp32 arithmetic), which keeps sums and distances far from fp32 overflow even
+  for inputs near the bf16 maximum.
+- Distances are computed as ||c||^2 - 2 x.c in tiles of tokens, so at most `_TILE_ELEMS` floats of distances (and of
+  one-hot update weights) exist at once; the update is a one-hot matmul in a fixed tile order (no atomics).
+- All-zero block: max|r| = 0 -> scale 0 -> codes at the zero level (symmetric qmax, asymmetric 0) -> dequantizes to
+  exactly 0 (symmetric) or to fp8(min) = 0 (asymmetric).
+- Constant block c: symmetric gives codes +-qmax with scale fp8(|c|/qmax), error <= |c|/16 (fp8 rounding);
+  asymmetric gives scale 0, codes 0, value fp8(c), error <= |c|/16.
+- fp8 overflow: scales (and zeros) are clamped to e4m3's max 448 before rounding. A block whose max |r| exceeds
+  448*qmax (symmetric: 448 for int2, 3136 for int4) has its values clipped to +-448*qmax; asymmetric blocks are clipped
+  to [max(min, -448), zero + 448*qmax] with zero clamped to [-448, 448]. The error of a clipped value is its excess
+  over that range. Residuals are also clamped to +-`_RESIDUAL_CLAMP` (far outside every representable range).
+- fp8 underflow: a scale below 2^-10 rounds to 0 and the block decodes to its zero level: symmetric error <=
+  max|r| < qmax * 2^-10; asymmetric values all decode to fp8(min), error <= (max - min) + |min - fp8(min)|. Scales
+  in e4m3's subnormal range (2^-9..2^-6) keep fewer mantissa bits (coarser steps, clipping bounded by max|r|).
+  Asymmetric zeros below 2^-10 in magnitude round to 0.
+- A scale rounded down by fp8 can push the block max past qmax: it is clamped (error <= 1/16 of the max).
+- K > S, duplicate or empty clusters, singleton clusters: well defined (an empty cluster keeps its centroid; a
+  singleton cluster has zero residual).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from .config import QuantConfig
+from .format import CACHE_DTYPES, FP8_DTYPE, FP8_MAX, PackedFormat
+
+#: Most floats in one distance (or one-hot) tile: 4 Mi floats = 16 MiB, i.e. ~410 tokens at 40 heads x 256 centroids.
+_TILE_ELEMS = 1 << 22
+#: Residuals are clamped to +-this before block quantization (fp8 scales already clip far below it).
+_RESIDUAL_CLAMP = float(2**24)
+#: Exponent range of the per-head power-of-two normalisation (keeps 2^-e a finite, normal-ish fp32 value).
+_EXP_MIN, _EXP_MAX = -100, 128
+
+
+@dataclass(slots=True)
+class PRQSegment:
+    """A packed segment: what the pool stores for S tokens of H heads.
+
+    token_rows: uint8 [S, fmt.token_row_bytes], packed token rows (see `format.py`).
+    codebooks: [H, stages, K, D] in the cache dtype (`fmt.dtype`, the dtype of the quantized input).
+    fmt: the byte layout these tensors follow.
+    """
+
+    token_rows: torch.Tensor
+    codebooks: torch.Tensor
+    fmt: PackedFormat
+
+    @property
+    def num_tokens(self) -> int:
+        """Tokens in the segment (S)."""
+        return int(self.token_rows.shape[0])
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes of token rows plus codebooks (= fmt.segment_bytes(S))."""
+        return self.fmt.segment_bytes(self.num_tokens)
+
+    def dequantize(self) -> torch.Tensor:
+        """[S, H, D] in the cache dtype (see `prq_dequantize`)."""
+        return prq_dequantize(self.token_rows, self.codebooks, self.fmt)
+
+
+# ---------------------------------------------------------------------------------------------------------- quantize
+def prq_quantize(x: torch.Tensor, cfg: QuantConfig, *, init_centroids: torch.Tensor | None = None) -> PRQSegment:
+    """PRQ-pack one segment.
+
+    Args:
+        x: [S, H, D] float32/float16/bfloat16 (fold a batch into heads: [S, B*H, D]); its dtype is the cache dtype.
+        cfg: an enabled `QuantConfig` (block_size must divide D).
+        init_centroids: optional warm start [H, stages, K, D] (any float dtype, e.g. the previous segment's
+            codebooks), replacing the seeded random init of every stage.
+
+    Returns:
+        `PRQSegment` with token rows uint8 [S, H * per_head_bytes] and codebooks [H, stages, K, D] in x.dtype.
+        Same input, config and init -> identical bytes.
+
+    Raises:
+        ValueError: bad shape/dtype/config, or non-finite values in x or init_centroids (with count and positions).
+    """
+    if not isinstance(x, torch.Tensor) or x.dim() != 3:
+        raise ValueError(f"prq_quantize: x must be a [S, H, D] tensor, got {getattr(x, 'shape', type(x))}")
+    if x.dtype not in CACHE_DTYPES:
+        raise ValueError(f"prq_quantize: x.dtype={x.dtype}; allowed: {', '.join(map(str, CACHE_DTYPES))}")
+    S, H, D = x.shape
+    fmt = PackedFormat(head_dim=D, num_heads=H, cfg=cfg, dtype=x.dtype)
+    _check_finite("x", x, ("token", "head", "channel"))
+    K, stages = cfg.centroids, cfg.stages
+    if init_centroids is not None:
+        if tuple(init_centroids.shape) != (H, stages, K, D):
+            raise ValueError(
+                f"prq_quantize: init_centroids has shape {tuple(init_centroids.shape)}, expected {(H, stages, K, D)}"
+            )
+        _check_finite("init_centroids", init_centroids, ("head", "stage", "centroid", "channel"))
+    device = x.device
+    if S == 0:
+        return PRQSegment(
+            token_rows=torch.empty(0, fmt.token_row_bytes, dtype=torch.uint8, device=device),
+            codebooks=torch.zeros(H, stages, K, D, dtype=x.dtype, device=device),
+            fmt=fmt,
+        )
+
+    gen = torch.Generator(device="cpu").manual_seed(cfg.seed)
+    resid = x.float().transpose(0, 1).contiguous()  # [H, S, D] fp32
+    dmax = torch.finfo(x.dtype).max
+    codebooks = torch.empty(H, stages, K, D, dtype=x.dtype, device=device)
+    ids = torch.empty(H, S, stages, dtype=torch.uint8, device=device)
+    heads = torch.arange(H, device=device)[:, None]
+    for stage in range(stages):
+        # Work in units of a per-head power of two >= max|resid| (exact; see module docstring).
+        amax = resid.abs().amax(dim=(1, 2))
+        exp = torch.frexp(amax).exponent.clamp(_EXP_MIN, _EXP_MAX)  # amax < 2^exp
+        unit = torch.ldexp(torch.ones_like(amax), exp)[:, None, None]  # [H, 1, 1]
+        inv_unit = torch.ldexp(torch.ones_like(amax), -exp)[:, None, None]
+        xn = resid * inv_unit
+        if init_centroids is not None:
+            cn = init_centroids[:, stage].to(device=device, dtype=torch.float32) * inv_unit
+        else:
+            idx = torch.randint(S, (H, K), generator=gen).to(device)
+            cn = xn[heads, idx]  # [H, K, D]
+        for _ in range(cfg.kmeans_iters):
+            cn = _update(xn, _assign(xn, cn), cn)
+        stored = (cn * unit).clamp(-dmax, dmax).to(x.dtype)  # the codebook as the cache holds it
+        cf = stored.float()
+        stage_ids = _assign(xn, cf * inv_unit)  # final ids against the stored centroids
+        codebooks[:, stage] = stored
+        ids[:, :, stage] = stage_ids.to(torch.uint8)
+        resid = resid - cf[heads, stage_ids]
+        resid.clamp_(-_RESIDUAL_CLAMP, _RESIDUAL_CLAMP)
+
+    codes, scales, zeros = _block_quantize(resid.transpose(0, 1), cfg)  # [S, H, D], [S, H, nb] x2
+    token_rows = fmt.pack_token_rows(codes, scales, zeros, ids.transpose(0, 1))
+    return PRQSegment(token_rows=token_rows, codebooks=codebooks, fmt=fmt)
+
+
+def _assign(x: torch.Tensor, c: torch.Tensor) -> torch.Tensor:
+    """Nearest centroid by squared L2 (ties -> lowest index). x [H, S, D], c [H, K, D] fp32 -> int64 [H, S]."""
+    H, S, _ = x.shape
+    K = c.shape[1]
+    cn = (c * c).sum(-1)[:, None, :]  # [H, 1, K]
+    ct = c.transpose(1, 2)  # [H, D, K]
+    out = torch.empty(H, S, dtype=torch.int64, device=x.device)
+    tile = max(1, _TILE_ELEMS // (H * K))
+    for t0 in range(0, S, tile):
+        t1 = min(S, t0 + tile)
+        dist = torch.baddbmm(cn, x[:, t0:t1], ct, alpha=-2.0)  # ||c||^2 - 2 x.c  (||x||^2 is constant per row)
+        out[:, t0:t1] = dist.argmin(dim=-1)
+    return out
+
+
+def _update(x: torch.Tensor, ids: torch.Tensor, c_old: torch.Tensor) -> torch.Tensor:
+    """Cluster means in fp32 (one-hot matmul per token tile, fixed order); empty clusters keep `c_old`."""
+    H, S, _ = x.shape
+    K = c_old.shape[1]
+    sums = torch.zeros_like(c_old)
+    counts = torch.zeros(H, K, dtype=torch.float32, device=x.device)
+    tile = max(1, _TILE_ELEMS // (H * K))
+    for t0 in range(0, S, tile):
+        t1 = min(S, t0 + tile)
+        onehot = torch.zeros(H, t1 - t0, K, dtype=torch.float32, device=x.device)
+        onehot.scatter_(2, ids[:, t0:t1, None], 1.0)
+        sums += torch.bmm(onehot.transpose(1, 2), x[:, t0:t1])
+        counts += onehot.sum(dim=1)
+    nonempty = counts > 0
+    means = sums / counts.clamp(min=1.0)[..., None]
+    return torch.where(nonempty[..., None], means, c_old)
+
+
+def _block_quantize(r: torch.Tensor, cfg: QuantConfig) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+    """Final-residual block quantization. r fp32 [S, H, D] -> codes uint8 [S, H, D], scales fp8, zeros fp8 | None."""
+    S, H, D = r.shape
+    nb = D // cfg.block_size
+    rb = r.reshape(S, H, nb, cfg.block_size)
+    qmax = float(cfg.qmax)
+    if cfg.asymmetric:
+        lo, hi = rb.amin(dim=-1), rb.amax(dim=-1)
+        scale8 = ((hi - lo) / qmax).clamp(0.0, FP8_MAX).to(FP8_DTYPE)
+        zero8 = lo.clamp(-FP8_MAX, FP8_MAX).to(FP8_DTYPE)
+        s, z = scale8.float()[..., None], zero8.float()[..., None]
+        q = torch.round((rb - z) / torch.where(s > 0, s, 1.0)).clamp(0.0, qmax)
+        q = torch.where(s > 0, q, 0.0)
+        return q.to(torch.uint8).reshape(S, H, D), scale8, zero8
+    amax = rb.abs().amax(dim=-1)
+    scale8 = (amax / qmax).clamp(0.0, FP8_MAX).to(FP8_DTYPE)
+    s = scale8.float()[..., None]
+    q = torch.round(rb / torch.where(s > 0, s, 1.0)).clamp(-qmax, qmax)
+    q = torch.where(s > 0, q, 0.0) + qmax
+    return q.to(torch.uint8).reshape(S, H, D), scale8, None
+
+
+# -------------------------------------------------------------------------------------------------------- dequantize
+def prq_dequantize(token_rows: torch.Tensor, codebooks: torch.Tensor, fmt: PackedFormat) -> torch.Tensor:
+    """Unpack a segment to [..., H, D] in `fmt.dtype`.
+
+    value = (code - qmax) * scale  (asymmetric: code * scale + zero), then += codebook[h, s][id_s] for s = 0, 1, ...
+    in fp32, cast to the cache dtype once at the end.
+
+    Args:
+        token_rows: uint8 [..., H * per_head_bytes] (usually [S, row_bytes]).
+        codebooks: [H, stages, K, D] (any float dtype) or its packed form uint8 [H * stages, codebook_row_bytes].
+        fmt: the segment's `PackedFormat`.
+    """
+    if codebooks.dtype == torch.uint8:
+        codebooks = fmt.unpack_codebooks(codebooks)
+    H, D, st = fmt.num_heads, fmt.head_dim, fmt.cfg.stages
+    if tuple(codebooks.shape) != (H, st, fmt.cfg.centroids, D):
+        raise ValueError(f"codebooks have shape {tuple(codebooks.shape)}, expected {(H, st, fmt.cfg.centroids, D)}")
+    f = fmt.unpack_token_rows(token_rows)
+    lead = f.codes.shape[:-2]
+    q = f.codes.float().reshape(*lead, H, fmt.num_blocks, fmt.cfg.block_size)
+    if fmt.cfg.asymmetric:
+        assert f.zeros is not None
+        out = q * f.scales[..., None] + f.zeros[..., None]
+    else:
+        out = (q - float(fmt.qmax)) * f.scales[..., None]
+    out = out.reshape(*lead, H, D)
+    cb = codebooks.to(device=out.device, dtype=torch.float32)
+    heads = torch.arange(H, device=out.device)
+    ids = f.ids.long()
+    for stage in range(st):
+        out = out + cb[heads, stage, ids[..., stage]]
+    return out.to(fmt.dtype)
+
+
+# ------------------------------------------------------------------------------------------------------------ checks
+def _check_finite(name: str, t: torch.Tensor, axes: tuple[str, ...]) -> None:
+    """Raise `ValueError` with the count, kinds and first positions of non-finite values in `t`."""
+    bad = ~torch.isfinite(t)
+    n_bad = int(bad.sum())
+    if not n_bad:
+        return
+    n_nan = int(torch.isnan(t).sum())
+    n_pinf = int((t == float("inf")).sum())
+    where = bad.nonzero()[:5].tolist()
+    first = ", ".join("(" + ", ".join(str(v) for v in pos) + ")" for pos in where)
+    rows = bad.reshape(bad.shape[0], -1).any(dim=1).nonzero().flatten()
+    raise ValueError(
+        f"prq_quantize: {name} has {n_bad} non-finite value(s) of {t.numel()} (NaN: {n_nan}, +inf: {n_pinf}, "
+        f"-inf: {n_bad - n_nan - n_pinf}) at ({', '.join(axes)}) {first}{' ...' if n_bad > 5 else ''}; "
+        f"{axes[0]}s affected: {len(rows)} ({axes[0]} {int(rows[0])}..{int(rows[-1])}); nothing was packed"
+    )
