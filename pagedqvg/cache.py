@@ -17,9 +17,9 @@ import torch
 
 from .allocator import BlockPool, RangeEntry, RangeIndex
 from .errors import CacheClosedError, CacheConfigError, SequencingError
-from .kernels import page_fill, page_write, view_build
+from .kernels import kernel_backend, page_fill, page_write, view_build
 from .kernels.rows import segment_row_index, token_rows
-from .layout import DenseTokenLayout
+from .layout import DenseTokenLayout, page_pieces
 from .packing import PackedStore
 from .quant import QuantConfig
 from .slot_map import SlotMap
@@ -34,10 +34,9 @@ class Segment:
     """One appended chunk of one layer: its pages (token rows, see layout.py). Its global range is its index key."""
 
     pages: list[int]  # every page of the segment (packed: token pages, then codebook pages)
-    pages_t: torch.Tensor  # dense: all pages; packed: the token pages (int64, on the cache's device)
+    pages_t: torch.Tensor | None = None  # dense, Triton backend: the pages as int64 on the device (row indices)
     kind: str = "dense"  # "dense" or "packed"
-    cb_pages_t: torch.Tensor | None = None  # packed: the codebook pages
-    n_token_pages: int = 0  # packed: len(pages_t)
+    n_token_pages: int = 0  # packed: pages[:n_token_pages] hold token rows, the rest codebooks
     pack_failed: bool = False  # held non-finite values when the policy tried to pack it (retried after a rewrite)
 
     @property
@@ -65,6 +64,8 @@ class _WritePlan:
 
 def _as_index(name: str, value: object, debug_name: str) -> int:
     """An int-like argument as int (Python ints, numpy ints, 0-d integer tensors); bools and floats are refused."""
+    if type(value) is int:
+        return value
     if isinstance(value, bool):
         raise TypeError(f"{debug_name}: {name} must be an int, got bool {value!r}")
     if isinstance(value, torch.Tensor):
@@ -193,13 +194,20 @@ class PagedCausalKVCache:
         self.owner = pool.new_owner(name)
         self.reuse_view_buffer = bool(reuse_view_buffer)
         self.layout = DenseTokenLayout(self.batch_size, self._num_heads, self.head_dim, dtype, pool.page_bytes)
-        if self.layout.row_bytes > pool.page_bytes:
+        if self.layout.tokens_per_page < 1:
+            token_bytes = 2 * self.batch_size * self.layout.row_bytes
             raise CacheConfigError(
-                f"one token row ({self._num_heads} heads x {self.head_dim} x {self.layout.itemsize} B = "
-                f"{self.layout.row_bytes} B) does not fit a page of {pool.page_bytes} B; use a pool with "
-                f"page_bytes >= {-(-self.layout.row_bytes // 256) * 256}"
+                f"one token (K and V for {self.batch_size} batch x {self._num_heads} heads x {self.head_dim} x "
+                f"{self.layout.itemsize} B = {token_bytes} B) does not fit a page of {pool.page_bytes} B; use a pool "
+                f"with page_bytes >= {-(-token_bytes // 256) * 256}"
             )
+        self._tpp = self.layout.tokens_per_page
         self._rpp = self.layout.rows_per_page
+        self._backend = kernel_backend(pool.device)
+        # Whole tokens per page: [num_pages, tokens_per_page, 2 (K/V), B, H, D] (slices of it are plain copies).
+        self._tok = pool.pages_as(dtype)[:, : self._rpp * self._num_heads * self.head_dim].view(
+            pool.num_pages, self._tpp, 2, self.batch_size, self._num_heads, self.head_dim
+        )
         self._packed: PackedStore | None = None
         if quant is not None and quant.enabled:
             try:
@@ -439,62 +447,168 @@ class PagedCausalKVCache:
         new_map = new_map.appended(le - a, a, G)
         return _WritePlan(ls, le, a, C, W, e, le, P, new_map, free_entries)
 
-    # ------------------------------------------------------------ row indices
+    # ------------------------------------------------------------ plans: where rows live
     def _dense_index(self, entry: RangeEntry[Segment], lo: int, hi: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """Row index `[2, B, hi - lo]` of global tokens `[lo, hi)` of a dense segment."""
-        return segment_row_index(entry.value.pages_t, self._rpp, lo - entry.start, hi - entry.start, self._kv_batch)
+        """Row index `[2, B, hi - lo]` of global tokens `[lo, hi)` of a dense segment (Triton backend)."""
+        seg = entry.value
+        if seg.pages_t is None:
+            seg.pages_t = torch.tensor(seg.pages, dtype=torch.int64, device=self.device)
+        return segment_row_index(seg.pages_t, self._rpp, lo - entry.start, hi - entry.start, self._kv_batch)
 
-    def _view_parts(self, global_ranges: list[tuple[int, int]]) -> list[tuple]:
-        """The view as parts, in output order: `("d", page_idx, slot_idx)` for dense rows (adjacent dense pieces
-        merged into one) and `("p", segment, t0, t1)` for packed token ranges."""
+    def _parts(self, global_ranges: list[tuple[int, int]]) -> list[tuple]:
+        """Where the rows of `global_ranges` live, in order, merged into parts:
+        `("d", [(page, first, last), ...], m)` dense token slices (torch backend),
+        `("i", page_idx, slot_idx, m)` dense row indices (Triton backend),
+        `("p", segment, t0, t1, m)` a token range of a packed segment."""
         parts: list[tuple] = []
-        pending_p: list[torch.Tensor] = []
-        pending_s: list[torch.Tensor] = []
+        pieces: list[tuple[int, int, int]] = []
+        idx_p: list[torch.Tensor] = []
+        idx_s: list[torch.Tensor] = []
+        count = 0
 
         def flush() -> None:
-            if pending_p:
-                if len(pending_p) == 1:
-                    parts.append(("d", pending_p[0], pending_s[0]))
-                else:
-                    parts.append(("d", torch.cat(pending_p, dim=2), torch.cat(pending_s, dim=2)))
-                pending_p.clear()
-                pending_s.clear()
+            nonlocal pieces, count
+            if pieces:
+                parts.append(("d", pieces, count))
+                pieces = []
+            if idx_p:
+                pi = idx_p[0] if len(idx_p) == 1 else torch.cat(idx_p, dim=2)
+                si = idx_s[0] if len(idx_s) == 1 else torch.cat(idx_s, dim=2)
+                parts.append(("i", pi, si, count))
+                idx_p.clear()
+                idx_s.clear()
+            count = 0
 
+        triton = self._backend == "triton"
         for g0, g1 in global_ranges:
             for entry in self._index.overlapping(g0, g1):
                 lo, hi = max(g0, entry.start), min(g1, entry.end)
-                if entry.value.packed:
+                seg = entry.value
+                if seg.packed:
                     flush()
-                    parts.append(("p", entry.value, lo - entry.start, hi - entry.start))
-                else:
+                    parts.append(("p", seg, lo - entry.start, hi - entry.start, hi - lo))
+                    continue
+                if triton:
                     p, sl = self._dense_index(entry, lo, hi)
-                    pending_p.append(p)
-                    pending_s.append(sl)
+                    idx_p.append(p)
+                    idx_s.append(sl)
+                else:
+                    pieces.extend(page_pieces(seg.pages, self._tpp, lo - entry.start, hi - entry.start))
+                count += hi - lo
         flush()
         return parts
-
-    def _cached_parts(self, key: tuple, global_ranges: list[tuple[int, int]]) -> list[tuple]:
-        hit = self._plans.get(key)
-        if hit is None:
-            if len(self._plans) >= _PLAN_CACHE_SIZE:
-                self._plans.clear()
-            hit = self._view_parts(global_ranges)
-            self._plans[key] = hit
-        return hit
 
     def _structure_changed(self) -> None:
         self._version += 1
         self._plans.clear()
 
-    # ------------------------------------------------------------ segments: pages, packing, accounting
+    # ------------------------------------------------------------ data movement (torch slices or Triton kernels)
+    def _remember(self, key: tuple, plan: tuple) -> tuple:
+        if len(self._plans) >= _PLAN_CACHE_SIZE:
+            self._plans.clear()
+        self._plans[key] = plan
+        return plan
+
+    def _head_slice(self, page: int, a: int, b: int, h0: int, hin: int) -> torch.Tensor:
+        """Tokens `[a, b)` of a page as `[m, 2, B, Hin, D]` (a view of the arena)."""
+        if hin == self._num_heads:
+            return self._tok[page, a:b]
+        return self._tok[page, a:b, :, :, h0 : h0 + hin]
+
+    def _write_plan(self, s: int, e: int, h0: int, hin: int) -> tuple:
+        """Cached destinations of a write of tokens `[s, e)`: `("d", [(k_view, v_view, offset, m)])` of arena views
+        (torch) or `("i", page_idx, slot_idx, m)` (Triton). Valid until the structure changes."""
+        key = (self._version, "w", s, e, h0, hin)
+        plan = self._plans.get(key)
+        if plan is None:
+            (part,) = self._parts([(s, e)])  # writes only ever touch dense segments
+            if part[0] == "d":
+                items, o = [], 0
+                for page, a, b in part[1]:
+                    dst = self._head_slice(page, a, b, h0, hin)
+                    items.append((dst[:, 0], dst[:, 1], o, b - a))
+                    o += b - a
+                part = ("d", items)
+            plan = self._remember(key, part)
+        return plan
+
+    def _view_plan(self, ranges: list[tuple[int, int]], h0: int, hin: int) -> tuple[list[tuple], int]:
+        """Cached sources of a view: parts with dense slices as arena views, and the token count."""
+        key = (self._version, "v", h0, hin, *ranges)
+        plan = self._plans.get(key)
+        if plan is None:
+            parts = []
+            for part in self._parts([g for a, b in ranges for g in self._map.to_global(a, b)]):
+                if part[0] == "d":
+                    parts.extend(("s", self._head_slice(page, a, b, h0, hin), b - a) for page, a, b in part[1])
+                else:
+                    parts.append(part)
+            plan = self._remember(key, (parts, sum(p[-1] for p in parts)))
+        return plan
+
+    def _write(self, plan: tuple, h0: int, key: torch.Tensor, value: torch.Tensor) -> None:
+        """Write key/value `[B, n, Hin, D]` into the destinations of `plan`."""
+        if plan[0] == "i":
+            page_write(self._rows, plan[1], plan[2], h0, key, value)
+            return
+        items = plan[1]
+        if len(items) == 1:
+            k_dst, v_dst, _, _ = items[0]
+            k_dst.copy_(key.transpose(0, 1))
+            v_dst.copy_(value.transpose(0, 1))
+            return
+        for k_dst, v_dst, o, m in items:
+            k_dst.copy_(key[:, o : o + m].transpose(0, 1))
+            v_dst.copy_(value[:, o : o + m].transpose(0, 1))
+
+    def _build_view(self, parts: list[tuple], h0: int, hin: int, out: torch.Tensor) -> None:
+        """Fill `out` `[2, B, T, Hin, D]`: dense rows copied, packed rows dequantized, in one pass over `parts`."""
+        if len(parts) == 1 and parts[0][0] == "i":
+            view_build(self._rows, parts[0][1], parts[0][2], h0, hin, out)
+            return
+        out_t = out.permute(2, 0, 1, 3, 4)  # [T, 2, B, Hin, D]
+        if len(parts) == 1 and parts[0][0] == "s":
+            out_t.copy_(parts[0][1])
+            return
+        o = 0
+        for part in parts:
+            kind, m = part[0], part[-1]
+            if kind == "s":
+                out_t[o : o + m].copy_(part[1])
+            elif kind == "i":
+                out[:, :, o : o + m] = self._rows[:, :, h0 : h0 + hin][part[1], part[2]]
+            else:
+                seg, t0, t1 = part[1], part[2], part[3]
+                assert self._packed is not None
+                n_tok = seg.n_token_pages
+                self._packed.dequantize_into(out_t[o : o + m], seg.pages[:n_tok], seg.pages[n_tok:], t0, t1, h0)
+            o += m
+
+    def _zero_tokens(self, entry: RangeEntry[Segment], lo: int, hi: int) -> None:
+        """Every head of global tokens `[lo, hi)` of a dense segment := 0."""
+        if self._backend == "triton":
+            p, sl = self._dense_index(entry, lo, hi)
+            page_fill(self._rows, p, sl, 0.0)
+            return
+        for page, a, b in page_pieces(entry.value.pages, self._tpp, lo - entry.start, hi - entry.start):
+            self._tok[page, a:b].zero_()
+
     def _new_dense_segment(self, tokens: int) -> Segment:
-        pages = self.pool.alloc(self.layout.pages_for_tokens(tokens), self.owner)
-        return Segment(pages, torch.tensor(pages, dtype=torch.int64, device=self.device))
+        return Segment(self.pool.alloc(self.layout.pages_for_tokens(tokens), self.owner))
 
     def _read_dense(self, entry: RangeEntry[Segment]) -> torch.Tensor:
-        """All tokens of a dense segment as `[2, B, n, H, D]` (a temporary)."""
-        p, sl = self._dense_index(entry, entry.start, entry.end)
-        return self._rows[p, sl]
+        """All tokens of a dense segment as `[n, 2, B, H, D]` (a temporary)."""
+        pieces = [
+            self._tok[p, a:b] for p, a, b in page_pieces(entry.value.pages, self._tpp, 0, entry.end - entry.start)
+        ]
+        return pieces[0].clone() if len(pieces) == 1 else torch.cat(pieces)
+
+    def _store_dense(self, entry: RangeEntry[Segment], data: torch.Tensor) -> None:
+        """Write `[n, 2, B, H, D]` into a dense segment's pages."""
+        o = 0
+        for page, a, b in page_pieces(entry.value.pages, self._tpp, 0, entry.end - entry.start):
+            self._tok[page, a:b].copy_(data[o : o + b - a])
+            o += b - a
 
     def _packed_net_pages(self, entry: RangeEntry[Segment]) -> int:
         """Pages a dense segment gives back when packed (negative: packing needs more)."""
@@ -519,23 +633,22 @@ class PagedCausalKVCache:
         self.pool.free(entry.value.pages, self.owner)
         pages = self.pool.alloc(store.pages_for_tokens(n), self.owner)
         n_tok = store.token_pages(n)
-        pages_t = torch.tensor(pages, dtype=torch.int64, device=self.device)
-        seg = Segment(pages, pages_t[:n_tok], "packed", pages_t[n_tok:], n_tok)
-        store.write(seg.pages_t, seg.cb_pages_t, tok, cb)
-        entry.value = seg
+        store.write(pages[:n_tok], pages[n_tok:], tok, cb)
+        entry.value = Segment(pages, None, "packed", n_tok)
         return True
 
     def _unpack(self, entry: RangeEntry[Segment]) -> None:
         """Turn a packed segment back into dense rows (a rewrite touches it); the policy repacks it later."""
         store = self._packed
         seg = entry.value
-        assert store is not None and seg.packed and seg.cb_pages_t is not None
+        assert store is not None and seg.packed
         n = entry.end - entry.start
-        dense = store.dequantize(seg.pages_t, seg.cb_pages_t, 0, n, 0, self._num_heads)
+        dense = torch.empty(n, 2, self.batch_size, self._num_heads, self.head_dim, dtype=self.dtype, device=self.device)
+        n_tok = seg.n_token_pages
+        store.dequantize_into(dense, seg.pages[:n_tok], seg.pages[n_tok:], 0, n, 0)
         self.pool.free(seg.pages, self.owner)
         entry.value = self._new_dense_segment(n)
-        p, sl = self._dense_index(entry, entry.start, entry.end)
-        self._rows.index_put_((p, sl), dense)
+        self._store_dense(entry, dense)
 
     def _sink_segment_starts(self) -> set[int]:
         """Segments holding sink slots `[0, E)` or the pinned slots: they follow the sink policy."""
@@ -683,17 +796,11 @@ class PagedCausalKVCache:
                 first_new = self._G - plan.new_tokens
                 entry = self._index.find(first_new)
                 assert entry is not None
-                fill_p, fill_s = self._dense_index(entry, first_new, self._G)
-                page_fill(self._rows, fill_p, fill_s, 0.0)
+                self._zero_tokens(entry, first_new, self._G)
 
         for x in touched:
             x.value.pack_failed = False  # new values: the policy may try again
-        wkey = (self._version, "w", s, e)
-        write_parts = self._plans.get(wkey)
-        if write_parts is None:
-            write_parts = self._cached_parts(wkey, [(s, e)])
-        assert len(write_parts) == 1 and write_parts[0][0] == "d"
-        page_write(self._rows, write_parts[0][1], write_parts[0][2], h0, key, value)
+        self._write(self._write_plan(s, e, h0, hin), h0, key, value)
 
         ranges = view_slot_ranges(
             local_end=self._L,
@@ -706,36 +813,14 @@ class PagedCausalKVCache:
             recent_window_tokens=r,
         )
         self._last_view_ranges = ranges
-        vkey = (self._version, "v", *ranges)
-        parts = self._plans.get(vkey)
-        if parts is None:
-            parts = self._cached_parts(vkey, [g for a, b in ranges for g in self._map.to_global(a, b)])
-        tokens = sum(p[1].shape[2] if p[0] == "d" else p[3] - p[2] for p in parts)
+        parts, tokens = self._view_plan(ranges, h0, hin)
         shape = (2, self.batch_size, tokens, hin, self.head_dim)
         if self.reuse_view_buffer:
             out = self.pool.view_buffer(2 * self.batch_size * tokens * hin * self.head_dim, self.dtype).view(shape)
         else:
             out = torch.empty(shape, dtype=self.dtype, device=self.device)
-        if len(parts) == 1 and parts[0][0] == "d":
-            view_build(self._rows, parts[0][1], parts[0][2], h0, hin, out)
-        else:
-            self._build_mixed_view(parts, h0, hin, out)
+        self._build_view(parts, h0, hin, out)
         return CausalAttentionKVView(out[0], out[1], plan.ls, plan.le, self._L, self._G)
-
-    def _build_mixed_view(self, parts: list[tuple], h0: int, hin: int, out: torch.Tensor) -> None:
-        """Torch path for views with packed parts: dense rows gathered, packed rows dequantized, part by part."""
-        heads = self._rows[:, :, h0 : h0 + hin]
-        o = 0
-        for part in parts:
-            if part[0] == "d":
-                m = part[1].shape[2]
-                out[:, :, o : o + m] = heads[part[1], part[2]]
-            else:
-                _, seg, t0, t1 = part
-                m = t1 - t0
-                assert self._packed is not None
-                out[:, :, o : o + m] = self._packed.dequantize(seg.pages_t, seg.cb_pages_t, t0, t1, h0, hin)
-            o += m
 
     # ------------------------------------------------------------ other calls
     def pin_current_chunk(self, num_tokens: int) -> None:
@@ -806,14 +891,13 @@ class PagedCausalKVCache:
                 if keep < seg.n_token_pages:
                     self.pool.free(seg.pages[keep : seg.n_token_pages], self.owner)
                     del seg.pages[keep : seg.n_token_pages]
-                    seg.pages_t = seg.pages_t[:keep].clone()
                     seg.n_token_pages = keep
             else:
                 keep = self.layout.pages_for_tokens(tokens)
                 if keep < len(seg.pages):
                     self.pool.free(seg.pages[keep:], self.owner)
                     del seg.pages[keep:]
-                    seg.pages_t = seg.pages_t[:keep].clone()
+                    seg.pages_t = None
         self._G, self._L = pos, new_l
         self._map = self._map.truncated(new_l)
         if new_l < self._P + self._PL:

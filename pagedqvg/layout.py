@@ -8,6 +8,11 @@ Dense (unquantized) segments hold one region of token rows. A token row is one t
 V: `num_heads * head_dim` values of the cache dtype. Rows are token-major, so a segment of `n` tokens and batch `B`
 has `2 * B * n` rows and row `(t * 2 + kv) * B + b` holds token `t` (0-based in the segment), `kv` (0 = K, 1 = V),
 batch `b`. Token-major order lets a truncated segment (rewind) give back its trailing pages.
+
+A token never straddles two pages: a page holds `tokens_per_page = (page_bytes // row_bytes) // (2 * B)` whole
+tokens (`rows_per_page = 2 * B * tokens_per_page`), so token `t` of a segment lives in page
+`pages[t // tokens_per_page]` and the tokens of one page form one contiguous `[tokens, 2, B, H, D]` block that torch
+can copy as a slice.
 """
 
 from __future__ import annotations
@@ -71,8 +76,13 @@ class DenseTokenLayout:
         return RowRegion(self.row_bytes, self.page_bytes)
 
     @property
+    def tokens_per_page(self) -> int:
+        """Whole tokens (K and V rows of every batch element) per page; 0 if a page cannot hold one."""
+        return (self.page_bytes // self.row_bytes) // (2 * self.batch_size)
+
+    @property
     def rows_per_page(self) -> int:
-        return self.page_bytes // self.row_bytes
+        return 2 * self.batch_size * self.tokens_per_page
 
     def rows_for_tokens(self, tokens: int) -> int:
         """Rows of a segment of `tokens` tokens (K and V, every batch element)."""
@@ -80,7 +90,7 @@ class DenseTokenLayout:
 
     def pages_for_tokens(self, tokens: int) -> int:
         """Pages of a dense segment of `tokens` tokens. O(1)."""
-        return self.region.pages_for_rows(self.rows_for_tokens(tokens))
+        return -(-tokens // self.tokens_per_page)
 
     def used_bytes_for_tokens(self, tokens: int) -> int:
         """Bytes of K/V rows that `tokens` tokens really occupy (without page rounding)."""
@@ -92,7 +102,7 @@ class PackedSegmentLayout:
     """Layout of a PRQ-packed segment: two row regions, each on its own pages, token pages first.
 
     - token region: `2 * B * n` packed token rows of `token_row_bytes` (pagedqvg/quant/format.py), token-major
-      like dense rows: row `(t * 2 + kv) * B + b`.
+      like dense rows: row `(t * 2 + kv) * B + b`; whole tokens per page, as for dense rows.
     - codebook region: `2 * B * codebook_rows` rows of `codebook_row_bytes` (one (head, stage) centroid table
       each): row `(kv * B + b) * codebook_rows + head * stages + stage`.
     """
@@ -116,8 +126,13 @@ class PackedSegmentLayout:
     def codebook_region(self) -> RowRegion:
         return RowRegion(self.codebook_row_bytes, self.page_bytes)
 
+    @property
+    def tokens_per_page(self) -> int:
+        """Whole packed tokens (K and V rows of every batch element) per token page; 0 if none fits."""
+        return (self.page_bytes // self.token_row_bytes) // (2 * self.batch_size)
+
     def token_pages(self, tokens: int) -> int:
-        return self.token_region.pages_for_rows(2 * self.batch_size * tokens)
+        return -(-tokens // self.tokens_per_page)
 
     def codebook_pages(self) -> int:
         return self.codebook_region.pages_for_rows(2 * self.batch_size * self.codebook_rows)
@@ -132,3 +147,16 @@ class PackedSegmentLayout:
             2 * self.batch_size * tokens * self.token_row_bytes
             + 2 * self.batch_size * self.codebook_rows * self.codebook_row_bytes
         )
+
+
+def page_pieces(pages: list[int], tokens_per_page: int, t0: int, t1: int) -> list[tuple[int, int, int]]:
+    """Tokens `[t0, t1)` of a segment whose pages are `pages`, as `(page, first, last)` token slots per page, in
+    order (`first`/`last` are token slots inside the page, half-open). O(pages touched)."""
+    out: list[tuple[int, int, int]] = []
+    t = t0
+    while t < t1:
+        index, first = divmod(t, tokens_per_page)
+        last = min(tokens_per_page, first + t1 - t)
+        out.append((pages[index], first, last))
+        t += last - first
+    return out

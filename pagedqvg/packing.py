@@ -1,7 +1,9 @@
 """Packed (PRQ) segments in pool pages: quantize a dense segment into pages, read and dequantize token ranges.
 
 Geometry comes from `layout.PackedSegmentLayout` and bytes from `quant.format.PackedFormat`; this module only
-moves rows between pages and the torch PRQ reference (`quant.prq`). The Triton view builder reads the same rows.
+moves rows between pages and the torch PRQ reference (`quant.prq`). Token pages are read as slices (whole tokens per
+page), so dequantizing a visible range needs no gather: one `prq_dequantize` per page piece, for K and V and every
+batch element and head at once (they are folded into `2 * B * H` heads, the order the rows are stored in).
 """
 
 from __future__ import annotations
@@ -9,12 +11,12 @@ from __future__ import annotations
 import torch
 
 from .allocator import BlockPool
-from .layout import PackedSegmentLayout
+from .layout import PackedSegmentLayout, page_pieces
 from .quant import PackedFormat, QuantConfig, prq_dequantize, prq_quantize
 
 
 class PackedStore:
-    """Row views of the arena for one layer shape's packed segments, and the pack / unpack operations."""
+    """Slice views of the arena for one layer shape's packed segments, and the pack / unpack operations."""
 
     def __init__(
         self, pool: BlockPool, batch_size: int, num_heads: int, head_dim: int, dtype: torch.dtype, cfg: QuantConfig
@@ -22,78 +24,74 @@ class PackedStore:
         self.cfg = cfg
         self.batch_size = batch_size
         self.num_heads = num_heads
+        self.head_dim = head_dim
         self.fmt = PackedFormat(head_dim=head_dim, num_heads=num_heads, cfg=cfg, dtype=dtype)
-        self.fmt_folded = PackedFormat(head_dim=head_dim, num_heads=batch_size * num_heads, cfg=cfg, dtype=dtype)
+        # K/V x batch x heads folded into one head axis, in storage order (kv, b, h).
+        self.fmt_all = PackedFormat(head_dim=head_dim, num_heads=2 * batch_size * num_heads, cfg=cfg, dtype=dtype)
+        self.fmt_batch = PackedFormat(head_dim=head_dim, num_heads=batch_size * num_heads, cfg=cfg, dtype=dtype)
         self.layout = PackedSegmentLayout.from_format(batch_size, self.fmt, pool.page_bytes)
-        tok, cb = self.layout.token_region, self.layout.codebook_region  # raise ValueError if a row exceeds a page
+        cb = self.layout.codebook_region  # raises ValueError if a codebook row exceeds a page
+        self.tpp = self.layout.tokens_per_page
+        if self.tpp < 1:
+            raise ValueError(
+                f"a packed token ({2 * batch_size} rows of {self.fmt.token_row_bytes} B) does not fit a page of "
+                f"{pool.page_bytes} B; use page_bytes >= {-(-2 * batch_size * self.fmt.token_row_bytes // 256) * 256}"
+            )
         raw = pool.pages_as(torch.uint8)
-        self.token_rows = raw[:, : tok.rows_per_page * tok.row_bytes].view(pool.num_pages, tok.rows_per_page, -1)
-        self.codebook_rows = raw[:, : cb.rows_per_page * cb.row_bytes].view(pool.num_pages, cb.rows_per_page, -1)
-        self.tok_rpp, self.cb_rpp = tok.rows_per_page, cb.rows_per_page
-        device = pool.device
-        b = torch.arange(batch_size, dtype=torch.int64, device=device)
-        kv = torch.arange(2, dtype=torch.int64, device=device)
-        self.kv_batch = (kv[:, None] * batch_size + b[None, :])[:, :, None]  # [2, B, 1]
-        n_cb = 2 * batch_size * self.layout.codebook_rows
-        self.cb_row_ids = torch.arange(n_cb, dtype=torch.int64, device=device)
+        row = self.fmt.token_row_bytes
+        self.token_view = raw[:, : self.tpp * 2 * batch_size * row].view(pool.num_pages, self.tpp, 2, batch_size, row)
+        self.cb_rpp = cb.rows_per_page
+        self.codebook_view = raw[:, : cb.rows_per_page * cb.row_bytes].view(pool.num_pages, cb.rows_per_page, -1)
+        self.num_cb_rows = 2 * batch_size * self.layout.codebook_rows
 
     def token_pages(self, tokens: int) -> int:
         return self.layout.token_pages(tokens)
-
-    def codebook_pages(self) -> int:
-        return self.layout.codebook_pages()
 
     def pages_for_tokens(self, tokens: int) -> int:
         return self.layout.pages_for_tokens(tokens)
 
     # ------------------------------------------------------------------ pack
     def quantize(self, dense: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """Dense K/V `[2, B, n, H, D]` → (token rows uint8 `[2*B*n, row_bytes]` token-major, codebook rows uint8
-        `[2*B*H*stages, codebook_row_bytes]`). Each (batch, head) gets its own codebooks. Raises ValueError on
-        non-finite values (nothing is written)."""
-        _, B, n, H, D = dense.shape
+        """Dense K/V `[n, 2, B, H, D]` → (token rows uint8 `[n, 2, B, row_bytes]`, codebook rows uint8
+        `[2*B*H*stages, codebook_row_bytes]` in (kv, b, h, stage) order). Every (kv, batch, head) gets its own
+        codebooks. Raises ValueError on non-finite values (nothing is written)."""
+        n, _, B, H, D = dense.shape
         tok_parts, cb_parts = [], []
         for kv in range(2):
-            x = dense[kv].permute(1, 0, 2, 3).reshape(n, B * H, D)
-            seg = prq_quantize(x, self.cfg)
+            seg = prq_quantize(dense[:, kv].reshape(n, B * H, D), self.cfg)
             tok_parts.append(seg.token_rows.view(n, B, -1))
-            cb_parts.append(self.fmt_folded.pack_codebooks(seg.codebooks))
-        tok = torch.stack(tok_parts, dim=1).reshape(2 * B * n, -1)
-        return tok, torch.cat(cb_parts, dim=0)
+            cb_parts.append(self.fmt_batch.pack_codebooks(seg.codebooks))
+        return torch.stack(tok_parts, dim=1), torch.cat(cb_parts, dim=0)
 
-    def write(self, tok_pages_t: torch.Tensor, cb_pages_t: torch.Tensor, tok: torch.Tensor, cb: torch.Tensor) -> None:
+    def write(self, tok_pages: list[int], cb_pages: list[int], tok: torch.Tensor, cb: torch.Tensor) -> None:
         """Store rows produced by `quantize` into a packed segment's pages."""
-        r = torch.arange(tok.shape[0], dtype=torch.int64, device=tok.device)
-        self.token_rows.index_put_((tok_pages_t[r // self.tok_rpp], r % self.tok_rpp), tok)
-        c = self.cb_row_ids
-        self.codebook_rows.index_put_((cb_pages_t[c // self.cb_rpp], c % self.cb_rpp), cb)
+        o = 0
+        for page, a, b in page_pieces(tok_pages, self.tpp, 0, tok.shape[0]):
+            self.token_view[page, a:b].copy_(tok[o : o + b - a])
+            o += b - a
+        o = 0
+        for page, a, b in page_pieces(cb_pages, self.cb_rpp, 0, self.num_cb_rows):
+            self.codebook_view[page, a:b].copy_(cb[o : o + b - a])
+            o += b - a
 
     # ------------------------------------------------------------------ read
-    def token_row_index(self, tok_pages_t: torch.Tensor, t0: int, t1: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """`(page_idx, slot_idx)` `[2, B, m]` of the packed token rows of tokens `[t0, t1)`."""
-        t = torch.arange(t0, t1, dtype=torch.int64, device=tok_pages_t.device)
-        rows = t * self.kv_batch.numel() + self.kv_batch
-        return tok_pages_t[rows // self.tok_rpp], rows % self.tok_rpp
+    def codebooks(self, cb_pages: list[int]) -> torch.Tensor:
+        """Codebooks `[2*B*H, stages, K, D]` of one packed segment (a small copy out of its pages)."""
+        pieces = [self.codebook_view[p, a:b] for p, a, b in page_pieces(cb_pages, self.cb_rpp, 0, self.num_cb_rows)]
+        rows = pieces[0] if len(pieces) == 1 else torch.cat(pieces)
+        return self.fmt_all.unpack_codebooks(rows)
 
-    def read_codebooks(self, cb_pages_t: torch.Tensor) -> torch.Tensor:
-        """Codebook rows `[2, B, H*stages, codebook_row_bytes]` of one packed segment."""
-        c = self.cb_row_ids
-        rows = self.codebook_rows[cb_pages_t[c // self.cb_rpp], c % self.cb_rpp]
-        return rows.view(2, self.batch_size, self.layout.codebook_rows, -1)
-
-    def dequantize(
-        self, tok_pages_t: torch.Tensor, cb_pages_t: torch.Tensor, t0: int, t1: int, head_start: int, heads: int
-    ) -> torch.Tensor:
-        """Tokens `[t0, t1)` of a packed segment, heads `[head_start, head_start + heads)`, as
-        `[2, B, m, heads, D]` in the cache dtype (torch reference: one temporary per (kv, batch))."""
-        pidx, sidx = self.token_row_index(tok_pages_t, t0, t1)
-        tok = self.token_rows[pidx, sidx]  # [2, B, m, row_bytes]
-        cb = self.read_codebooks(cb_pages_t)
-        B = self.batch_size
-        out = torch.empty(2, B, t1 - t0, heads, self.fmt.head_dim, dtype=self.fmt.dtype, device=tok.device)
-        for kv in range(2):
-            for b in range(B):
-                codebooks = self.fmt.unpack_codebooks(cb[kv, b])
-                full = prq_dequantize(tok[kv, b], codebooks, self.fmt)  # [m, H, D]
-                out[kv, b] = full[:, head_start : head_start + heads]
-        return out
+    def dequantize_into(
+        self, out_t: torch.Tensor, tok_pages: list[int], cb_pages: list[int], t0: int, t1: int, head_start: int
+    ) -> None:
+        """Dequantize tokens `[t0, t1)` into `out_t` `[t1 - t0, 2, B, Hout, D]` (heads from `head_start`)."""
+        codebooks = self.codebooks(cb_pages)
+        heads = out_t.shape[3]
+        B, H, D = self.batch_size, self.num_heads, self.head_dim
+        o = 0
+        for page, a, b in page_pieces(tok_pages, self.tpp, t0, t1):
+            m = b - a
+            rows = self.token_view[page, a:b].reshape(m, -1)
+            full = prq_dequantize(rows, codebooks, self.fmt_all).view(m, 2, B, H, D)
+            out_t[o : o + m].copy_(full[:, :, :, head_start : head_start + heads])
+            o += m
