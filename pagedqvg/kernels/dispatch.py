@@ -1,8 +1,20 @@
-"""The single dispatch point between the cache and the kernels."""
+"""The single dispatch point between the cache and the kernels.
+
+Backend per call, from the device of the tensors and `PAGEDQVG_KERNELS`:
+
+- `auto` (default): CUDA tensors → Triton when `import triton` works, else torch; every other device → torch.
+- `torch`: torch everywhere.
+- `triton`: Triton everywhere. Tensors that are not on CUDA need Triton's interpreter, i.e. `TRITON_INTERPRET=1` in
+  the environment *before* triton and the kernel modules are imported (triton reads it when it decorates kernels);
+  otherwise the call raises a RuntimeError that says so.
+
+Triton is imported lazily (on the first Triton call), so `import pagedqvg` never imports triton.
+"""
 
 from __future__ import annotations
 
 import os
+from functools import cache
 
 import torch
 
@@ -12,26 +24,74 @@ from .view_build import view_build_torch
 _VALID = ("auto", "torch", "triton")
 
 
-def kernel_backend(device: torch.device) -> str:
-    """'torch' or 'triton' for tensors on `device`, honouring the PAGEDQVG_KERNELS environment variable."""
+def _choice() -> str:
     choice = os.environ.get("PAGEDQVG_KERNELS", "auto").strip().lower() or "auto"
     if choice not in _VALID:
         raise ValueError(f"PAGEDQVG_KERNELS={choice!r} is not one of {_VALID}")
-    if choice == "auto":
-        return "torch"  # Triton kernels land with the kernels issue; until then every device uses torch.
     return choice
+
+
+@cache
+def _triton_import_error() -> str | None:
+    """None when the Triton kernel modules import, else why not (cached: one import attempt per process)."""
+    try:
+        from . import triton_page_write, triton_view_build  # noqa: F401
+    except Exception as exc:  # ImportError, or a broken triton install failing at import
+        return f"{type(exc).__name__}: {exc}"
+    return None
+
+
+def triton_available() -> bool:
+    """Whether the Triton kernels can be imported in this process."""
+    return _triton_import_error() is None
+
+
+def kernel_backend(device: torch.device | str) -> str:
+    """'torch' or 'triton' for tensors on `device`, honouring the PAGEDQVG_KERNELS environment variable."""
+    choice = _choice()
+    if choice == "auto":
+        return "triton" if torch.device(device).type == "cuda" and triton_available() else "torch"
+    return choice
+
+
+def _triton(device: torch.device):
+    """The Triton kernel modules, after checking they can run on `device`."""
+    err = _triton_import_error()
+    if err is not None:
+        raise RuntimeError(
+            f"PAGEDQVG_KERNELS=triton but the Triton kernels cannot be imported ({err}); install triton or set "
+            f"PAGEDQVG_KERNELS=torch"
+        )
+    from . import triton_page_write, triton_view_build
+    from .triton_common import is_interpreted
+
+    if device.type != "cuda" and not is_interpreted(triton_view_build._view_build_kernel):
+        raise RuntimeError(
+            f"Triton kernels on {device.type} tensors run in Triton's interpreter, which needs TRITON_INTERPRET=1 in "
+            f"the environment before triton and pagedqvg's Triton kernels are imported; set it at process start, "
+            f"or set PAGEDQVG_KERNELS=torch (or auto) for {device.type} tensors"
+        )
+    return triton_page_write, triton_view_build
 
 
 def page_write(rows, page_idx, slot_idx, head_start, key, value) -> None:
     """Scatter key/value into token rows (see page_write.py)."""
-    page_write_torch(rows, page_idx, slot_idx, head_start, key, value)
+    if kernel_backend(rows.device) == "triton":
+        _triton(rows.device)[0].page_write_triton(rows, page_idx, slot_idx, head_start, key, value)
+    else:
+        page_write_torch(rows, page_idx, slot_idx, head_start, key, value)
 
 
 def page_fill(rows, page_idx, slot_idx, fill: float = 0.0) -> None:
     """Fill every head of the addressed token rows."""
-    page_fill_torch(rows, page_idx, slot_idx, fill)
+    if kernel_backend(rows.device) == "triton":
+        _triton(rows.device)[0].page_fill_triton(rows, page_idx, slot_idx, fill)
+    else:
+        page_fill_torch(rows, page_idx, slot_idx, fill)
 
 
 def view_build(rows, page_idx, slot_idx, head_start, num_heads, out):
     """Gather visible token rows into `out` (see view_build.py)."""
+    if kernel_backend(rows.device) == "triton":
+        return _triton(rows.device)[1].view_build_triton(rows, page_idx, slot_idx, head_start, num_heads, out)
     return view_build_torch(rows, page_idx, slot_idx, head_start, num_heads, out)

@@ -1,0 +1,58 @@
+#!/usr/bin/env bash
+# The cache test files through the Triton kernels, on CPU via Triton's interpreter.
+#
+#   .ci/triton_suite.sh [extra pytest args]
+#
+# Runs tests/test_cache*.py once with PAGEDQVG_KERNELS=triton (every page write, page fill and view build goes
+# through the Triton kernels) and TRITON_INTERPRET=1 (set here, before Python starts, so triton decorates every
+# kernel for the interpreter), with the reduced Hypothesis budget PAGEDQVG_FUZZ_PROFILE=interp. The interpreter
+# costs ~10-30 ms per kernel call on 2 cores, so the "ci" fuzz budget would take many minutes.
+#
+# Environment: PYTHON (default /work/venv/bin/python if present, else python3), PAGEDQVG_FUZZ_PROFILE (default interp).
+# Exit status: pytest's (5 = no cache test files yet).
+set -euo pipefail
+cd "$(dirname "$0")/.."
+
+if [[ -z "${PYTHON:-}" ]]; then
+  if [[ -x /work/venv/bin/python ]]; then PYTHON=/work/venv/bin/python; else PYTHON=python3; fi
+fi
+export PAGEDQVG_KERNELS=triton
+export TRITON_INTERPRET=1
+export PAGEDQVG_FUZZ_PROFILE="${PAGEDQVG_FUZZ_PROFILE:-interp}"
+
+shopt -s nullglob
+files=(tests/test_cache*.py)
+if (( ${#files[@]} == 0 )); then
+  echo "triton_suite: no tests/test_cache*.py yet; nothing to run" >&2
+  exit 5
+fi
+
+plugin_args=()
+if [[ "$PAGEDQVG_FUZZ_PROFILE" == "interp" ]] && ! grep -q '"interp"' tests/conftest.py; then
+  # tests/conftest.py does not define the "interp" profile yet: register it from a throwaway plugin, which pytest
+  # loads before conftest.py calls settings.load_profile().
+  plugdir="$(mktemp -d)"
+  trap 'rm -rf "$plugdir"' EXIT
+  cat >"$plugdir/pagedqvg_interp_profile.py" <<'PY'
+from hypothesis import HealthCheck, settings
+
+settings.register_profile(
+    "interp",
+    max_examples=20,
+    stateful_step_count=25,
+    deadline=None,
+    suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large],
+)
+PY
+  export PYTHONPATH="$plugdir${PYTHONPATH:+:$PYTHONPATH}"
+  plugin_args=(-p pagedqvg_interp_profile)
+  echo "triton_suite: tests/conftest.py has no \"interp\" profile; using 20 examples x 25 steps" >&2
+fi
+
+echo "triton_suite: PAGEDQVG_KERNELS=$PAGEDQVG_KERNELS TRITON_INTERPRET=$TRITON_INTERPRET" \
+  "PAGEDQVG_FUZZ_PROFILE=$PAGEDQVG_FUZZ_PROFILE: ${files[*]}" >&2
+start=$SECONDS
+status=0
+"$PYTHON" -m pytest -q -p no:cacheprovider "${plugin_args[@]}" --durations=10 "${files[@]}" "$@" || status=$?
+echo "triton_suite: exit $status after $((SECONDS - start)) s" >&2
+exit "$status"

@@ -1,0 +1,344 @@
+"""Kernel bandwidth on a CUDA GPU: Triton view build / page write / page fill against the torch reference path.
+
+    python benchmarks/bench_kernels_cuda.py                       # H200 defaults (--peak-gbps 4800)
+    python benchmarks/bench_kernels_cuda.py --json out.json --iters 50
+    python benchmarks/bench_kernels_cuda.py --device cpu --tiny   # smoke test of this script without a GPU
+                                                                  # (Triton interpreter; timings meaningless)
+
+Per-layer shapes (one layer's cache; bf16; batch 1 unless --batch):
+- LingBot-World: H=40, D=128, 1,560 tokens/frame, view = 18-frame window + 3-frame sink = 32,760 tokens.
+- LongLive2: H=24, D=128, 880 tokens/frame, view = 32 + 8 frames = 35,200 tokens.
+Segments are 3-frame chunks (one segment per appended chunk, as the cache stores them) on pool pages of
+--page-bytes; the view's row index is built exactly as the cache builds it (kernels/rows.py).
+
+Bytes counted: a copy kernel reads and writes every element once, so bytes = 2 x (elements x itemsize), plus the
+row index it reads (16 B per token row). GB/s = bytes / median time (1 GB = 1e9 B); "% peak" is against
+--peak-gbps (4800 GB/s = H200 HBM3e). Every Triton result is checked bit for bit against torch before it is timed.
+It also checks that views of several lengths reuse one compiled kernel per layer shape.
+
+Exit status: 0 when every check passed, 1 when a result differs, 2 when the requested device is unavailable.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import sys
+import time
+from dataclasses import asdict, dataclass
+from functools import partial
+
+import torch
+
+
+@dataclass(frozen=True)
+class Shape:
+    name: str
+    heads: int
+    head_dim: int
+    tokens_per_frame: int
+    window_frames: int
+    sink_frames: int
+    chunk_frames: int = 3
+
+    @property
+    def view_tokens(self) -> int:
+        return (self.window_frames + self.sink_frames) * self.tokens_per_frame
+
+    @property
+    def chunk_tokens(self) -> int:
+        return self.chunk_frames * self.tokens_per_frame
+
+
+SHAPES = (
+    Shape("lingbot-world", 40, 128, 1560, 18, 3),
+    Shape("longlive2", 24, 128, 880, 32, 8),
+)
+TINY = (
+    Shape("tiny-a", 5, 16, 12, 4, 1),
+    Shape("tiny-b", 3, 24, 7, 3, 2, chunk_frames=2),
+)
+DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
+
+
+@dataclass
+class Row:
+    shape: str
+    kernel: str
+    backend: str
+    tokens: int
+    bytes: int
+    median_us: float
+    gbps: float
+    pct_peak: float
+
+
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawTextHelpFormatter)
+    p.add_argument("--device", default="cuda", help="cuda (default) or cpu (smoke test through the interpreter)")
+    p.add_argument("--tiny", action="store_true", help="tiny shapes (for --device cpu smoke runs)")
+    p.add_argument("--peak-gbps", type=float, default=4800.0, help="HBM peak in GB/s (default 4800 = H200)")
+    p.add_argument("--dtype", choices=sorted(DTYPES), default="bf16")
+    p.add_argument("--batch", type=int, default=1)
+    p.add_argument("--page-bytes", type=int, default=None, help="pool page size (default 1 MiB; 2 KiB with --tiny)")
+    p.add_argument("--iters", type=int, default=20)
+    p.add_argument("--warmup", type=int, default=3)
+    p.add_argument("--block-rows", type=int, default=None, help="override the Triton tile's rows (power of two)")
+    p.add_argument("--block-cols", type=int, default=None, help="override the Triton tile's columns (power of two)")
+    p.add_argument("--models", default=None, help="comma-separated subset of shape names")
+    p.add_argument("--json", default=None, help="also write the results to this JSON file")
+    return p.parse_args(argv)
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    device = torch.device(args.device)
+    if device.type == "cuda":
+        if not torch.cuda.is_available():
+            print(
+                "bench_kernels_cuda: CUDA is not available (torch.cuda.is_available() is False); this benchmark needs "
+                "a CUDA GPU. For a smoke test of the script itself: --device cpu --tiny",
+                file=sys.stderr,
+            )
+            return 2
+    elif device.type == "cpu":
+        if "triton" in sys.modules and os.environ.get("TRITON_INTERPRET") != "1":
+            print("bench_kernels_cuda: --device cpu needs TRITON_INTERPRET=1 before triton imports", file=sys.stderr)
+            return 2
+        os.environ["TRITON_INTERPRET"] = "1"  # before triton is imported: CPU tensors run in the interpreter
+    else:
+        print(f"bench_kernels_cuda: unsupported --device {args.device} (cuda or cpu)", file=sys.stderr)
+        return 2
+
+    # The kernels are imported only in bench_shape: TRITON_INTERPRET must be settled before triton decorates them.
+    dtype = DTYPES[args.dtype]
+    shapes = TINY if args.tiny else SHAPES
+    if args.models:
+        wanted = set(args.models.split(","))
+        shapes = tuple(s for s in shapes if s.name in wanted)
+        if not shapes:
+            print(f"bench_kernels_cuda: no shape named in --models {args.models}", file=sys.stderr)
+            return 2
+    if device.type == "cuda":
+        print(f"device: {torch.cuda.get_device_name(device)}; peak {args.peak_gbps:.0f} GB/s; dtype {args.dtype}")
+    else:
+        print("device: cpu through the Triton interpreter (smoke test: timings are not bandwidth)")
+
+    rows_out: list[Row] = []
+    ok = True
+    for shape in shapes:
+        rows, shape_ok = bench_shape(shape, args, device, dtype)
+        rows_out.extend(rows)
+        ok &= shape_ok
+        if device.type == "cuda":
+            torch.cuda.empty_cache()
+
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(
+                {"device": str(device), "peak_gbps": args.peak_gbps, "dtype": args.dtype, "ok": ok,
+                 "results": [asdict(r) for r in rows_out]},
+                f, indent=1,
+            )  # fmt: skip
+    print("\nall results bit-identical to torch" if ok else "\nMISMATCH or RECOMPILE: see above")
+    return 0 if ok else 1
+
+
+def bench_shape(shape: Shape, args: argparse.Namespace, device: torch.device, dtype: torch.dtype):
+    """Every kernel at one layer shape, Triton against torch; returns (rows, all bit-identical and no recompile)."""
+    from pagedqvg.kernels.page_write import page_fill_torch, page_write_torch
+    from pagedqvg.kernels.triton_page_write import _page_write_kernel, page_fill_triton, page_write_triton
+    from pagedqvg.kernels.triton_view_build import _view_build_kernel, view_build_triton
+    from pagedqvg.kernels.view_build import view_build_torch
+
+    tile_kw = {"block_rows": args.block_rows, "block_cols": args.block_cols}
+    page_bytes = args.page_bytes if args.page_bytes is not None else (2048 if args.tiny else 1 << 20)
+    setup = Setup(shape, args.batch, dtype, page_bytes, device)
+    B, T, n, H, D = args.batch, shape.view_tokens, shape.chunk_tokens, shape.heads, shape.head_dim
+    itemsize = setup.rows.element_size()
+    rows_rp = setup.rows
+    print(
+        f"\n{shape.name}: H={H} D={D} view {T} tokens ({shape.window_frames}+{shape.sink_frames} frames), "
+        f"chunk {n} tokens, {setup.num_segments} segments, {setup.rows_per_page} rows/page, "
+        f"{setup.pool.num_pages} pages of {page_bytes} B"
+    )
+    results: list[Row] = []
+    ok = True
+
+    def compare(kernel: str, tokens: int, nbytes: int, torch_fn, triton_fn, same: bool) -> None:
+        nonlocal ok
+        ok &= same
+        pair = [
+            _measure(shape.name, kernel, "torch", tokens, nbytes, torch_fn, args, device),
+            _measure(shape.name, kernel, "triton", tokens, nbytes, triton_fn, args, device),
+        ]
+        _report(pair, same)
+        results.extend(pair)
+
+    # ---- view build (all heads, then a head slice: strided source rows), K and V in one launch
+    pidx, sidx = setup.view_index()
+    hin = max(1, H // 2)
+    for h0, heads in ((0, H), (1 if hin < H else 0, hin)):
+        out_t = torch.empty(2, B, T, heads, D, dtype=dtype, device=device)
+        out_r = torch.empty_like(out_t)
+        view_build_torch(rows_rp, pidx, sidx, h0, heads, out_r)
+        view_build_triton(rows_rp, pidx, sidx, h0, heads, out_t, **tile_kw)
+        same = _bits_equal(out_t, out_r)
+        nbytes = 2 * out_t.numel() * itemsize + 2 * pidx.numel() * 8
+        label = "view_build" if heads == H else f"view_build[heads {h0}+{heads}]"
+        compare(
+            label, T, nbytes,
+            partial(view_build_torch, rows_rp, pidx, sidx, h0, heads, out_r),
+            partial(view_build_triton, rows_rp, pidx, sidx, h0, heads, out_t, **tile_kw),
+            same,
+        )  # fmt: skip
+        del out_t, out_r
+
+    # ---- page write of one chunk: contiguous key/value, and key/value sliced out of a fused qkv [B, n, 3, H, D]
+    wp, ws = setup.chunk_index()
+    gen = torch.Generator(device="cpu").manual_seed(0)
+    key = torch.randn(B, n, H, D, generator=gen).to(device=device, dtype=dtype)
+    value = torch.randn(B, n, H, D, generator=gen).to(device=device, dtype=dtype)
+    qkv = torch.randn(B, n, 3, H, D, generator=gen).to(device=device, dtype=dtype)
+    for label, k, v in (("page_write", key, value), ("page_write[fused qkv]", qkv[:, :, 1], qkv[:, :, 2])):
+        page_write_torch(rows_rp, wp, ws, 0, k, v)
+        expect = rows_rp[wp, ws].clone()
+        rows_rp[wp, ws] = 0
+        page_write_triton(rows_rp, wp, ws, 0, k, v, **tile_kw)
+        same = _bits_equal(rows_rp[wp, ws], expect)
+        nbytes = 2 * 2 * k.numel() * itemsize + 2 * wp.numel() * 8
+        compare(
+            label, n, nbytes,
+            partial(page_write_torch, rows_rp, wp, ws, 0, k, v),
+            partial(page_write_triton, rows_rp, wp, ws, 0, k, v, **tile_kw),
+            same,
+        )  # fmt: skip
+
+    # ---- page fill of one chunk (head-sliced appends zero the new rows first); writes only
+    page_fill_torch(rows_rp, wp, ws, 0.5)
+    expect = rows_rp[wp, ws].clone()
+    rows_rp[wp, ws] = 0
+    page_fill_triton(rows_rp, wp, ws, 0.5, **tile_kw)
+    same = _bits_equal(rows_rp[wp, ws], expect)
+    nbytes = 2 * B * n * H * D * itemsize + 2 * wp.numel() * 8
+    compare(
+        "page_fill", n, nbytes,
+        partial(page_fill_torch, rows_rp, wp, ws, 0.0),
+        partial(page_fill_triton, rows_rp, wp, ws, 0.0, **tile_kw),
+        same,
+    )  # fmt: skip
+
+    # ---- one compile per layer shape: views and chunks of other lengths reuse the compiled kernels
+    if device.type == "cuda":
+        before = (_compiled(_view_build_kernel, device), _compiled(_page_write_kernel, device))
+        for t in (1, 17, shape.tokens_per_frame, T - 1):
+            out = torch.empty(2, B, t, H, D, dtype=dtype, device=device)
+            view_build_triton(rows_rp, pidx[:, :, :t], sidx[:, :, :t], 0, H, out, **tile_kw)
+        for m in (1, 17, n - 1):
+            page_write_triton(rows_rp, wp[:, :, :m], ws[:, :, :m], 0, key[:, :m], value[:, :m], **tile_kw)
+        torch.cuda.synchronize(device)
+        after = (_compiled(_view_build_kernel, device), _compiled(_page_write_kernel, device))
+        recompiled = before != after and None not in before
+        ok &= not recompiled
+        print(
+            f"  compiled kernels (view_build, page_write) before/after other lengths: {before} -> {after}"
+            + ("  RECOMPILED" if recompiled else "  ok")
+        )
+    return results, ok
+
+
+class Setup:
+    """One layer's pages in a real BlockPool: the visible segments of one view plus one chunk being written."""
+
+    def __init__(self, shape: Shape, batch: int, dtype: torch.dtype, page_bytes: int, device: torch.device):
+        from pagedqvg import BlockPool
+        from pagedqvg.kernels.rows import segment_row_index, token_rows
+        from pagedqvg.layout import DenseTokenLayout
+
+        self._segment_row_index = segment_row_index
+        layout = DenseTokenLayout(batch, shape.heads, shape.head_dim, dtype, page_bytes)
+        self.rows_per_page = layout.rows_per_page
+        n, T = shape.chunk_tokens, shape.view_tokens
+        self.seg_tokens = [min(n, T - s) for s in range(0, T, n)]  # visible segments, oldest first
+        self.num_segments = len(self.seg_tokens)
+        pages = sum(layout.pages_for_tokens(m) for m in self.seg_tokens) + layout.pages_for_tokens(n)
+        self.pool = BlockPool(pages * page_bytes, page_bytes=page_bytes, device=device)
+        owner = self.pool.new_owner("bench")
+        # Take pages in a scrambled order, as a pool that has evicted and reused pages for a while hands them out.
+        all_pages = self.pool.alloc(self.pool.num_pages, owner)
+        order = torch.randperm(len(all_pages), generator=torch.Generator().manual_seed(1)).tolist()
+        all_pages = [all_pages[i] for i in order]
+        self.rows = token_rows(self.pool, dtype, shape.heads, shape.head_dim, self.rows_per_page)
+        self.rows.view(torch.int16 if dtype != torch.float32 else torch.int32).random_()
+        b = torch.arange(batch, dtype=torch.int64, device=device)
+        kv = torch.arange(2, dtype=torch.int64, device=device)
+        self.kv_batch = (kv[:, None] * batch + b[None, :])[:, :, None]
+        self.segments = []
+        i = 0
+        for m in [*self.seg_tokens, n]:
+            k = layout.pages_for_tokens(m)
+            self.segments.append((torch.tensor(all_pages[i : i + k], dtype=torch.int64, device=device), m))
+            i += k
+
+    def view_index(self):
+        parts = [self._segment_row_index(p, self.rows_per_page, 0, m, self.kv_batch) for p, m in self.segments[:-1]]
+        return torch.cat([p for p, _ in parts], dim=2), torch.cat([s for _, s in parts], dim=2)
+
+    def chunk_index(self):
+        p, m = self.segments[-1]
+        return self._segment_row_index(p, self.rows_per_page, 0, m, self.kv_batch)
+
+
+def _bits_equal(a: torch.Tensor, b: torch.Tensor) -> bool:
+    it = {1: torch.int8, 2: torch.int16, 4: torch.int32, 8: torch.int64}[a.element_size()]
+    return bool(torch.equal(a.contiguous().view(it), b.contiguous().view(it)))
+
+
+def _compiled(kernel, device: torch.device):
+    """How many binaries Triton holds for `kernel` on `device` (None if this Triton hides it)."""
+    try:
+        return len(kernel.device_caches[device.index if device.index is not None else torch.cuda.current_device()][0])
+    except Exception:
+        return None
+
+
+def _measure(shape: str, kernel: str, backend: str, tokens: int, nbytes: int, fn, args, device) -> Row:
+    cuda = device.type == "cuda"
+    iters = args.iters if cuda else min(args.iters, 2)
+    for _ in range(args.warmup if cuda else 1):
+        fn()
+    times = []
+    if cuda:
+        torch.cuda.synchronize(device)
+        for _ in range(iters):
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            fn()
+            end.record()
+            end.synchronize()
+            times.append(start.elapsed_time(end) * 1e-3)
+    else:
+        for _ in range(iters):
+            t0 = time.perf_counter()
+            fn()
+            times.append(time.perf_counter() - t0)
+    med = statistics.median(times)
+    gbps = nbytes / med / 1e9
+    return Row(shape, kernel, backend, tokens, nbytes, med * 1e6, gbps, 100.0 * gbps / args.peak_gbps)
+
+
+def _report(pair: list[Row], same: bool) -> None:
+    torch_row, triton_row = pair
+    for r in pair:
+        print(
+            f"  {r.kernel:<28} {r.backend:<6} {r.tokens:>6} tok {r.bytes / 1e6:>9.1f} MB {r.median_us:>10.1f} us "
+            f"{r.gbps:>8.1f} GB/s {r.pct_peak:>5.1f}% peak"
+        )
+    speed = torch_row.median_us / triton_row.median_us if triton_row.median_us > 0 else float("nan")
+    print(f"  {'':<28} triton/torch speedup {speed:.2f}x; bit-identical: {'yes' if same else 'NO'}")
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

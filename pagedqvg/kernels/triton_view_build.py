@@ -1,0 +1,130 @@
+"""Triton view builder: the same signature and result as `view_build_torch`, K and V in one launch.
+
+`out[kv, b, t] = rows[page_idx[kv, b, t], slot_idx[kv, b, t], head_start : head_start + Hin]` for an `out` of shape
+`[2, B, T, Hin, D]`. The row index is the flat description of the view: one (page, slot) per output token row, in
+view order, whatever segment each row comes from (see rows.py). Grid: `(cdiv(B * T, BLOCK_R),
+cdiv(Hin, HEADS_PER_BLOCK), 2)`; program `(i, j, kv)` gathers flat rows `r = b * T + t` in
+`[i * BLOCK_R, (i + 1) * BLOCK_R)`, heads `[j * HEADS_PER_BLOCK, ...)`, and writes them to `out`. A copy: bit-exact.
+
+Where packed (PRQ) segments will plug in: the gather of one tile of source rows is the only part that depends on the
+segment kind. A packed source adds a per-row kind (or a per-token segment id) and, for packed rows, loads the codes,
+scales, zeros and ids of the same (page, slot) from the packed token rows and the centroids from the segment's
+codebook pages, dequantizes in fp32 registers and casts to the cache dtype before the same masked store to `out`.
+The format constants (bits, block size, stages, centroids) are layer constants and may be `tl.constexpr`.
+
+Compile-time constants are the layer shape only; `num_rows`, `n_tokens` (T), `head_start` and `num_heads_in` are
+runtime and not specialized on, so the view length never triggers a recompile.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from .triton_common import NUM_WARPS, cdiv, is_interpreted, tile_for
+
+_RUNTIME = ["num_rows", "n_tokens", "head_start", "num_heads_in"]
+
+
+@triton.jit(do_not_specialize=_RUNTIME)
+def _view_build_kernel(
+    rows_ptr, rs0, rs1, rs2, rs3,  # [num_pages, rows_per_page, H, D]
+    page_idx_ptr, slot_idx_ptr,  # int64 [2, num_rows], contiguous
+    out_ptr, os0, os1, os2, os3, os4,  # [2, B, T, Hin, D]
+    num_rows, n_tokens, head_start, num_heads_in,
+    HEAD_DIM: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_D: tl.constexpr, HEADS_PER_BLOCK: tl.constexpr,
+):  # fmt: skip
+    pid_r = tl.program_id(0)
+    pid_h = tl.program_id(1)
+    kv = tl.program_id(2)
+
+    r = pid_r * BLOCK_R + tl.arange(0, BLOCK_R)
+    rmask = r < num_rows
+    b = (r // n_tokens).to(tl.int64)
+    t = (r % n_tokens).to(tl.int64)
+    idx = kv.to(tl.int64) * num_rows + r
+    page = tl.load(page_idx_ptr + idx, mask=rmask, other=0)
+    slot = tl.load(slot_idx_ptr + idx, mask=rmask, other=0)
+
+    c = tl.arange(0, HEADS_PER_BLOCK * BLOCK_D)
+    h = pid_h * HEADS_PER_BLOCK + c // BLOCK_D
+    d = c % BLOCK_D
+    mask = rmask[:, None] & ((h < num_heads_in) & (d < HEAD_DIM))[None, :]
+
+    # Dense source rows. (Packed rows: dequantize here, in registers, into `vals` of the out dtype.)
+    src = rows_ptr + (page * rs0 + slot * rs1)[:, None] + ((head_start + h) * rs2 + d * rs3)[None, :]
+    vals = tl.load(src, mask=mask)
+
+    dst = out_ptr + kv.to(tl.int64) * os0 + (b * os1 + t * os2)[:, None] + (h * os3 + d * os4)[None, :]
+    tl.store(dst, vals, mask=mask)
+
+
+def view_build_launch(
+    rows: torch.Tensor,
+    page_idx: torch.Tensor,
+    slot_idx: torch.Tensor,
+    head_start: int,
+    num_heads: int,
+    out: torch.Tensor,
+    *,
+    block_rows: int | None = None,
+    block_cols: int | None = None,
+):
+    """`(kernel, grid, args, kwargs)` of the view build launch, or None when the view is empty."""
+    if rows.dim() != 4:
+        raise ValueError(f"rows must be [num_pages, rows_per_page, H, D], got shape {tuple(rows.shape)}")
+    if page_idx.shape != slot_idx.shape or page_idx.dim() != 3 or page_idx.shape[0] != 2:
+        raise ValueError(
+            f"page_idx/slot_idx must both be [2, B, T], got {tuple(page_idx.shape)}/{tuple(slot_idx.shape)}"
+        )
+    if page_idx.dtype != torch.int64 or slot_idx.dtype != torch.int64:
+        raise TypeError(f"page_idx/slot_idx must be int64, got {page_idx.dtype}/{slot_idx.dtype}")
+    _, batch, tokens = page_idx.shape
+    d = rows.shape[3]
+    if tuple(out.shape) != (2, batch, tokens, num_heads, d):
+        raise ValueError(f"out must be [2, {batch}, {tokens}, {num_heads}, {d}], got {tuple(out.shape)}")
+    if out.dtype != rows.dtype:
+        raise TypeError(f"out dtype {out.dtype} differs from the rows' {rows.dtype}")
+    if head_start < 0 or head_start + num_heads > rows.shape[2]:
+        raise ValueError(f"heads [{head_start}, {head_start + num_heads}) outside the rows' {rows.shape[2]} heads")
+    num_rows = batch * tokens
+    if num_rows == 0 or num_heads == 0:
+        return None
+    page_idx = page_idx.contiguous()
+    slot_idx = slot_idx.contiguous()
+    interpreted = is_interpreted(_view_build_kernel)
+    tile = tile_for(d, rows.shape[2], block_rows, block_cols, interpreted=interpreted)
+    grid = (cdiv(num_rows, tile.block_r), cdiv(num_heads, tile.heads_per_block), 2)
+    args = (
+        rows, *rows.stride(),
+        page_idx, slot_idx,
+        out, *out.stride(),
+        num_rows, tokens, head_start, num_heads,
+    )  # fmt: skip
+    kwargs = dict(
+        HEAD_DIM=d, BLOCK_R=tile.block_r, BLOCK_D=tile.block_d, HEADS_PER_BLOCK=tile.heads_per_block,
+        num_warps=NUM_WARPS,
+    )  # fmt: skip
+    return _view_build_kernel, grid, args, kwargs
+
+
+def view_build_triton(
+    rows: torch.Tensor,
+    page_idx: torch.Tensor,
+    slot_idx: torch.Tensor,
+    head_start: int,
+    num_heads: int,
+    out: torch.Tensor,
+    *,
+    block_rows: int | None = None,
+    block_cols: int | None = None,
+) -> torch.Tensor:
+    """`view_build_torch` in one Triton launch (K and V). `block_rows`/`block_cols` override the tile (tests)."""
+    launch = view_build_launch(
+        rows, page_idx, slot_idx, head_start, num_heads, out, block_rows=block_rows, block_cols=block_cols
+    )
+    if launch is not None:
+        kernel, grid, args, kwargs = launch
+        kernel[grid](*args, **kwargs)
+    return out
