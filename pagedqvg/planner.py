@@ -1,0 +1,788 @@
+"""Memory planning: exact page accounting of the paged cache, from the segment layouts of pagedqvg/layout.py.
+
+The model is the cache's own retention rule (shared/SEMANTICS.md), applied chunk by chunk:
+
+- one appended chunk is one segment; a bf16 segment of `n` tokens takes `DenseTokenLayout.pages_for_tokens(n)` pages,
+  a packed one `PackedSegmentLayout.from_format(...).pages_for_tokens(n)` pages;
+- a segment goes back to the pool when no slot holds any of its tokens (sink run, pinned run, rolling tail);
+- quantization (the QVG policy): at each advance, after eviction and after the new chunk is stored, completed
+  segments are packed: non-sink segments older than `keep_recent_chunks` completed chunks and, with `cfg.sink`, sink
+  segments past the first `sink_keep_chunks`. A segment is a sink segment while it holds tokens of the slots
+  `[0, E)` or of the pinned run. The policy runs after the new chunk's pages are taken; packing one segment frees
+  its bf16 pages, then takes its packed pages. The chunk being denoised is never packed.
+
+Steady state per layer, closed form (no scene-cut pins). With `E = max(S, GS)` the effective sink, `k = ceil(E / n)`
+sink segments and `T = ceil((C - E) / n)` window segments (the current chunk included):
+
+    packed sink   = max(0, k - sink_keep_chunks) if cfg.sink else 0
+    packed window = max(0, T - 1 - keep_recent_chunks)
+    bf16          = k + T - packed sink - packed window          (quantization off: k + T, nothing packed)
+    pages         = bf16 * dense_pages(n) + packed * packed_pages(n)
+    pool pages    = layers * pages + (dense_pages(n) - packed_pages(n) if anything is packed else 0)
+
+(the last term: one layer holds its new chunk in bf16 before it packs the chunk that left `keep_recent_chunks`).
+
+With pins the census comes from `replay_layer`, a pure-Python mirror of one cache's page accounting (no tensors);
+tests check both against `BlockPool.stats()` of real caches. All layers advance one after another inside each
+denoise step, so the pool's high-water mark is `max over chunks m of (layers - 1) * max(A[m-1], A[m]) + P[m]`, with
+`A[m]` one layer's pages after chunk `m` and `P[m]` its peak during chunk `m`. Views are built outside the pool, one
+layer at a time: `2 * B * view_tokens * H * D * itemsize` transient bytes.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from collections.abc import Iterator
+from dataclasses import dataclass
+
+import torch
+
+from .allocator import PAGE_ALIGN_BYTES, RangeEntry, RangeIndex
+from .cache import effective_sink, view_slot_ranges
+from .layout import DenseTokenLayout, PackedSegmentLayout, dtype_itemsize
+from .presets import Workload
+from .quant.config import QuantConfig
+from .quant.format import PackedFormat
+from .slot_map import SlotMap
+
+#: Quantization modes `plan` compares (None = off).
+PLAN_BITS: tuple[int | None, ...] = (None, 4, 2)
+#: Largest window (frames) the budget search tries.
+MAX_SEARCH_FRAMES = 1 << 20
+#: `plan_geometry` replays caches of up to this many chunks by default (beyond, the closed form: O(1)).
+REPLAY_MAX_CHUNKS = 4096
+#: With scene-cut pins the search replays the pattern; it stops at windows of this many chunks.
+MAX_PINNED_SEARCH_CHUNKS = 1024
+
+
+# ---------------------------------------------------------------------------------------------------- geometry
+@dataclass(frozen=True, slots=True)
+class Geometry:
+    """One layer's cache geometry in tokens (= slots) and bytes, resolved from a `Workload` and checked."""
+
+    caches: int  # caches sharing the pool: layers * cache_sets
+    cache_sets: int
+    batch_size: int
+    heads: int
+    head_dim: int
+    dtype: torch.dtype
+    page_bytes: int
+    tokens_per_frame: int
+    chunk_tokens: int
+    sink_tokens: int
+    global_sink_tokens: int
+    cache_size: int
+    attention_window: int  # 0 means cache_size
+    scene_cut_every: int
+    denoise_steps: int
+    quant: QuantConfig
+
+    @classmethod
+    def from_workload(cls, w: Workload, quant: QuantConfig | None = None) -> Geometry:
+        """Resolve `w` (with `quant` instead of `w.quant` if given); ValueError naming the bad field otherwise."""
+        check_workload(w)
+        tpf = w.tokens_per_frame
+        sink = w.sink_tokens if w.sink_tokens is not None else w.sink_frames * tpf
+        gsink = w.global_sink_tokens if w.global_sink_tokens is not None else (sink if w.global_sink else 0)
+        e0 = max(sink, gsink)
+        cache_size = w.cache_size_tokens if w.cache_size_tokens is not None else e0 + w.window_frames * tpf
+        geom = cls(
+            caches=w.layers * w.cache_sets,
+            cache_sets=w.cache_sets,
+            batch_size=w.batch_size,
+            heads=w.heads,
+            head_dim=w.head_dim,
+            dtype=w.torch_dtype,
+            page_bytes=w.page_bytes,
+            tokens_per_frame=tpf,
+            chunk_tokens=w.chunk_frames * tpf,
+            sink_tokens=sink,
+            global_sink_tokens=gsink,
+            cache_size=cache_size,
+            attention_window=w.attention_window_tokens or 0,
+            scene_cut_every=w.scene_cut_every,
+            denoise_steps=w.denoise_steps,
+            quant=w.quant if quant is None else quant,
+        )
+        geom._check()
+        return geom
+
+    def _check(self) -> None:
+        n, C, E = self.chunk_tokens, self.cache_size, self.effective_sink
+        if C <= 0:
+            raise ValueError(f"cache size must be > 0 tokens, got {C}")
+        if n > C - E:
+            raise ValueError(
+                f"window smaller than a chunk: the cache holds {C} tokens, {E} of them sink, so the rolling window "
+                f"is {C - E} tokens ({(C - E) / self.tokens_per_frame:g} frames) but one chunk is {n} tokens "
+                f"({n // self.tokens_per_frame} frames); use --window-frames >= --chunk-frames"
+            )
+        if self.scene_cut_every and self.sink_tokens > 0:
+            e_pin = self.global_sink_tokens + min(self.sink_tokens, n)
+            if C - e_pin < n:
+                raise ValueError(
+                    f"a scene-cut pin makes the sink {e_pin} tokens, leaving {C - e_pin} tokens for a chunk of {n}; "
+                    f"raise --window-frames or lower --global-sink-tokens"
+                )
+        if self.page_bytes % PAGE_ALIGN_BYTES:
+            raise ValueError(f"--page-bytes must be a multiple of {PAGE_ALIGN_BYTES}, got {self.page_bytes}")
+        packed = self.packed_layout()  # ValueError naming the quantization field
+        # A page holds whole tokens: K and V rows of every batch element (layout.py).
+        token_bytes = 2 * self.batch_size * self.dense.row_bytes
+        need = token_bytes
+        if packed is not None:
+            need = max(need, 2 * self.batch_size * packed.token_row_bytes, packed.codebook_row_bytes)
+        if self.dense.tokens_per_page < 1 or (
+            packed is not None and (packed.tokens_per_page < 1 or packed.codebook_row_bytes > self.page_bytes)
+        ):
+            raise ValueError(
+                f"page size {self.page_bytes} B is too small: one token ({token_bytes} B of K and V rows) or one "
+                f"packed row must fit a page; use --page-bytes >= {-(-need // PAGE_ALIGN_BYTES) * PAGE_ALIGN_BYTES}"
+            )
+
+    # ----------------------------------------------------------------------------------------- derived sizes
+    @property
+    def effective_sink(self) -> int:
+        """`E` before any pin: `max(S, GS)` tokens."""
+        return max(self.sink_tokens, self.global_sink_tokens)
+
+    @property
+    def window_tokens(self) -> int:
+        """Rolling window `C - E` in tokens (includes the current chunk)."""
+        return self.cache_size - self.effective_sink
+
+    @property
+    def itemsize(self) -> int:
+        return dtype_itemsize(self.dtype)
+
+    @property
+    def dense(self) -> DenseTokenLayout:
+        """Layout of bf16 (cache-dtype) segments."""
+        return DenseTokenLayout(self.batch_size, self.heads, self.head_dim, self.dtype, self.page_bytes)
+
+    def packed_format(self) -> PackedFormat | None:
+        """The packed record format, or None when quantization is off."""
+        if not self.quant.enabled:
+            return None
+        return PackedFormat(self.head_dim, self.heads, self.quant, self.dtype)
+
+    def packed_layout(self) -> PackedSegmentLayout | None:
+        """Layout of packed segments, or None when quantization is off."""
+        fmt = self.packed_format()
+        return None if fmt is None else PackedSegmentLayout.from_format(self.batch_size, fmt, self.page_bytes)
+
+    def dense_cache_bytes(self) -> int:
+        """Bytes of the dense reference cache's K and V buffers for one layer: `2 * B * C * H * D * itemsize`."""
+        return 2 * self.batch_size * self.cache_size * self.heads * self.head_dim * self.itemsize
+
+    def view_bytes(self, tokens: int) -> int:
+        """Bytes of one call's K and V view of `tokens` tokens (all heads)."""
+        return 2 * self.batch_size * tokens * self.heads * self.head_dim * self.itemsize
+
+    def cache_kwargs(self) -> dict[str, object]:
+        """Keyword arguments of `PagedCausalKVCache` for this geometry (pool, device, quant and name excluded)."""
+        return {
+            "batch_size": self.batch_size,
+            "cache_size": self.cache_size,
+            "num_heads": self.heads,
+            "head_dim": self.head_dim,
+            "dtype": self.dtype,
+            "sink_tokens": self.sink_tokens,
+            "attention_window_size": self.attention_window,
+            "global_sink_tokens": self.global_sink_tokens,
+        }
+
+    def with_window_frames(self, frames: int) -> Geometry:
+        """The same geometry with a rolling window of `frames` frames (cache size re-derived)."""
+        return dataclasses.replace(self, cache_size=self.effective_sink + frames * self.tokens_per_frame)
+
+
+def check_workload(w: Workload) -> None:
+    """ValueError naming the first field of `w` that is out of range (sizes must be positive)."""
+    positive = ("layers", "heads", "head_dim", "tokens_per_frame", "chunk_frames", "window_frames",
+                "denoise_steps", "batch_size", "page_bytes", "cache_sets", "chunks")
+    for name in positive:
+        value = getattr(w, name)
+        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+            raise ValueError(f"{name.replace('_', '-')} must be a positive int, got {value!r}")
+    for name in ("sink_frames", "scene_cut_every", "sink_tokens", "global_sink_tokens", "cache_size_tokens",
+                 "attention_window_tokens"):
+        value = getattr(w, name)
+        if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 0):
+            raise ValueError(f"{name.replace('_', '-')} must be an int >= 0, got {value!r}")
+    if w.dtype not in ("bf16", "fp16", "fp32"):
+        raise ValueError(f"dtype must be bf16, fp16 or fp32, got {w.dtype!r}")
+    if w.window_frames < w.chunk_frames and w.cache_size_tokens is None:
+        raise ValueError(
+            f"window smaller than a chunk: --window-frames {w.window_frames} < --chunk-frames {w.chunk_frames} "
+            f"(the window includes the chunk being denoised)"
+        )
+
+
+# ---------------------------------------------------------------------------------------------------- replay
+class PageCounter:
+    """Pages in use and their high-water mark (a pool without storage)."""
+
+    __slots__ = ("high_water", "used")
+
+    def __init__(self) -> None:
+        self.used = 0
+        self.high_water = 0
+
+    def alloc(self, n: int) -> None:
+        self.used += n
+        if self.used > self.high_water:
+            self.high_water = self.used
+
+    def free(self, n: int) -> None:
+        self.used -= n
+
+
+@dataclass(slots=True)
+class _Seg:
+    kind: str  # "bf16" or "packed"
+    pages: int
+
+
+class LayerReplay:
+    """Pure-Python mirror of one `PagedCausalKVCache`'s page accounting under the append/rewrite/pin pattern.
+
+    No tensors: the slot map (`SlotMap`), the effective sink and the view ranges are the cache's own pure functions;
+    segments live in a `RangeIndex` like the cache's. Each call is O(runs + log(segments) + segments touched), so
+    a replay of N chunks is O(N log N) whatever the window.
+    """
+
+    def __init__(self, geom: Geometry, counter: PageCounter | None = None) -> None:
+        self.geom = geom
+        self.counter = counter if counter is not None else PageCounter()
+        self.dense = geom.dense
+        self.packed = geom.packed_layout()
+        self.C = geom.cache_size
+        self.W = geom.attention_window or geom.cache_size
+        self.S, self.GS = geom.sink_tokens, geom.global_sink_tokens
+        self.G = self.L = 0
+        self.P, self.PL = -1, 0
+        self.map = SlotMap()
+        self.index: RangeIndex[_Seg] = RangeIndex()
+        self.pages = {"bf16": 0, "packed": 0}
+        self.segments = {"bf16": 0, "packed": 0}
+        self._order: dict[int, RangeEntry[_Seg]] = {}  # every segment by start, oldest first
+        self._bf16_done: dict[int, RangeEntry[_Seg]] = {}  # completed bf16 segments (packing candidates)
+
+    # ---------------------------------------------------------------- state
+    @property
+    def held_pages(self) -> int:
+        return self.pages["bf16"] + self.pages["packed"]
+
+    def used_bytes(self) -> int:
+        """Bytes the retained tokens' rows really occupy (plus codebooks of packed segments), as the cache reports."""
+        if self.packed is None:
+            return self.dense.used_bytes_for_tokens(self.L)
+        total = 0
+        live = self.map.global_ranges()
+        for entry in self.index:
+            kept = sum(max(0, min(b, entry.end) - max(a, entry.start)) for a, b in live)
+            layout = self.packed if entry.value.kind == "packed" else self.dense
+            total += layout.used_bytes_for_tokens(kept)
+        return total
+
+    def _view_tokens(self, ls: int) -> int:
+        ranges = view_slot_ranges(
+            local_end=self.L,
+            window=self.W,
+            sink=effective_sink(self.S, self.GS, self.P, self.PL),
+            global_sink_tokens=self.GS,
+            pin_start=self.P,
+            pin_len=self.PL,
+            local_start=ls,
+            recent_window_tokens=None,
+        )
+        return sum(b - a for a, b in ranges)
+
+    # ---------------------------------------------------------------- calls
+    def advance(self) -> int:
+        """Append one chunk at the global end (the first denoise step). Returns the view's token count."""
+        n = self.geom.chunk_tokens
+        G, L, C = self.G, self.L, self.C
+        if L + n > C:
+            ev = L + n - C
+            E = effective_sink(self.S, self.GS, self.P, self.PL)
+            le = C
+            if le - n < E:
+                raise ValueError(f"a chunk of {n} tokens would roll onto the sink: C={C}, E={E}")
+            new_map, dropped = self.map.rolled(E, ev)
+            if self.P >= 0 and self.PL > 0 and self.P >= E:
+                self.P -= ev
+            live = new_map.global_ranges()
+            seen: set[int] = set()
+            for g0, g1 in dropped:
+                for entry in self.index.overlapping(g0, g1):
+                    if entry.start in seen:
+                        continue
+                    seen.add(entry.start)
+                    if not any(a0 < entry.end and entry.start < a1 for a0, a1 in live):
+                        self.index.remove(entry)
+                        del self._order[entry.start]
+                        self._bf16_done.pop(entry.start, None)
+                        self._release(entry.value)
+        else:
+            le = L + n
+            new_map = self.map
+        self.map = new_map.appended(le - n, n, G)
+        self.G, self.L = G + n, le
+        pages = self.dense.pages_for_tokens(n)
+        self.counter.alloc(pages)
+        self.pages["bf16"] += pages
+        self.segments["bf16"] += 1
+        if self._order:
+            last = next(reversed(self._order.values()))
+            if last.value.kind == "bf16":
+                self._bf16_done[last.start] = last
+        self._order[G] = self.index.insert(G, G + n, _Seg("bf16", pages))
+        if self.packed is not None:
+            self._pack_completed()
+        return self._view_tokens(le - n)
+
+    def rewrite(self) -> int:
+        """Rewrite the current chunk in place (a later denoise step or the clean pass). Returns view tokens."""
+        n = self.geom.chunk_tokens
+        if n > self.G:
+            raise ValueError("rewrite before the first advance")
+        return self._view_tokens(self.L - n)
+
+    def pin(self) -> None:
+        """`pin_current_chunk(n)` with `n` the chunk size: `P = L - n`, `PL = min(S, n)` (or unpin if S == 0)."""
+        n = self.geom.chunk_tokens
+        if self.S <= 0 or n <= 0:
+            self.P, self.PL = -1, 0
+        else:
+            self.P, self.PL = self.L - n, min(self.S, n)
+
+    # ---------------------------------------------------------------- helpers
+    def _release(self, seg: _Seg) -> None:
+        self.counter.free(seg.pages)
+        self.pages[seg.kind] -= seg.pages
+        self.segments[seg.kind] -= 1
+
+    def _sink_ranges(self) -> list[tuple[int, int]]:
+        E = effective_sink(self.S, self.GS, self.P, self.PL)
+        out = self.map.to_global(0, min(E, self.L)) if E > 0 else []
+        if self.P >= 0 and self.PL > 0:
+            out += self.map.to_global(self.P, min(self.P + self.PL, self.L))
+        return out
+
+    def _pack_completed(self) -> None:
+        """After an advance: pack the completed segments the policy selects (the current chunk stays bf16).
+
+        The cache's rule: of the completed non-sink segments, all but the newest `keep_recent_chunks`; with
+        `cfg.sink`, the sink segments past the first `sink_keep_chunks`. Only bf16 candidates are looked at, so
+        this is O(keep_recent + sink segments + log segments). Packing frees the bf16 pages, then takes the packed.
+        """
+        assert self.packed is not None
+        if not self._bf16_done:
+            return
+        cfg = self.geom.quant
+        current = self.G - self.geom.chunk_tokens
+        sinks = sorted({e.start for g0, g1 in self._sink_ranges() for e in self.index.overlapping(g0, g1)} - {current})
+        recent: set[int] = set()
+        for start in reversed(self._order):
+            if len(recent) >= cfg.keep_recent_chunks:
+                break
+            if start != current and start not in sinks:
+                recent.add(start)
+        packed_sinks = set(sinks[cfg.sink_keep_chunks :]) if cfg.sink else set()
+        sink_set = set(sinks)
+        for start, entry in list(self._bf16_done.items()):
+            if (start in packed_sinks) if start in sink_set else (start not in recent):
+                del self._bf16_done[start]
+                pages = self.packed.pages_for_tokens(entry.end - entry.start)
+                self._release(entry.value)
+                self.counter.alloc(pages)
+                self.pages["packed"] += pages
+                self.segments["packed"] += 1
+                entry.value = _Seg("packed", pages)
+
+
+# ---------------------------------------------------------------------------------------------------- call pattern
+@dataclass(frozen=True, slots=True)
+class Call:
+    """One cache call of the simulated pattern."""
+
+    chunk: int
+    step: int  # 0 = advance, 1..denoise_steps-1 = denoise rewrites, denoise_steps = clean pass, +1 = pin
+    cache: int  # set * layers + layer
+    op: str  # "advance", "denoise", "clean" or "pin"
+
+
+def is_scene_cut(chunk: int, every: int) -> bool:
+    """Whether chunk `chunk` (0-based) is pinned after its clean pass: `every > 0 and chunk > 0 and chunk % every == 0`.
+    """
+    return every > 0 and chunk > 0 and chunk % every == 0
+
+
+def call_pattern(geom: Geometry, chunks: int) -> Iterator[Call]:
+    """The callers' order: per chunk, per denoise step (then the clean pass, then pins), every cache in turn."""
+    steps = geom.denoise_steps
+    for k in range(chunks):
+        for step in range(steps + 1):
+            op = "advance" if step == 0 else ("clean" if step == steps else "denoise")
+            for c in range(geom.caches):
+                yield Call(k, step, c, op)
+        if is_scene_cut(k, geom.scene_cut_every):
+            for c in range(geom.caches):
+                yield Call(k, steps + 1, c, "pin")
+
+
+# ---------------------------------------------------------------------------------------------------- census
+@dataclass(frozen=True, slots=True)
+class LayerCensus:
+    """One layer's pages over a replay: per chunk `after[m]` (pages after chunk m) and `peak[m]` (max during m)."""
+
+    after: tuple[int, ...]
+    peak: tuple[int, ...]
+    steady_index: int  # chunk index where `after` first reaches its maximum
+    bf16_segments: int  # at that chunk
+    packed_segments: int
+    bf16_pages: int
+    packed_pages: int
+    used_bytes: int
+    view_tokens: int  # largest view over the replay
+
+    @property
+    def steady_pages(self) -> int:
+        return self.after[self.steady_index]
+
+    def pool_high_water(self, caches: int) -> int:
+        """Pool high-water pages when `caches` identical layers run this pattern one after another."""
+        best, prev = 0, 0
+        for a, p in zip(self.after, self.peak, strict=True):
+            best = max(best, (caches - 1) * max(prev, a) + p)
+            prev = a
+        return best
+
+
+def replay_chunks(geom: Geometry) -> int:
+    """Chunks a single-layer replay runs to cover the warm-up and one full pin period after it."""
+    n = geom.chunk_tokens
+    fill = -(-geom.cache_size // n)
+    every = geom.scene_cut_every
+    q = geom.quant
+    extra = (q.keep_recent_chunks + q.sink_keep_chunks) if q.enabled else 0
+    return 2 * fill + 4 + extra + (3 * every if every else 0)
+
+
+def replay_layer(geom: Geometry, chunks: int | None = None) -> LayerCensus:
+    """Run one layer's accounting for `chunks` chunks (default `replay_chunks`) and take its census. O(N log N)."""
+    chunks = replay_chunks(geom) if chunks is None else chunks
+    counter = PageCounter()
+    layer = LayerReplay(geom, counter)
+    after: list[int] = []
+    peak: list[int] = []
+    best: tuple[int, int, int, int] = (0, 0, 0, 0)
+    top, idx = -1, 0
+    view = 0
+    for k in range(chunks):
+        counter.high_water = counter.used
+        view = max(view, layer.advance())
+        for _ in range(geom.denoise_steps):
+            view = max(view, layer.rewrite())
+        if is_scene_cut(k, geom.scene_cut_every):
+            layer.pin()
+        if counter.used > top:
+            top, idx = counter.used, k
+            best = (layer.segments["bf16"], layer.segments["packed"], layer.pages["bf16"], layer.pages["packed"])
+        after.append(counter.used)
+        peak.append(counter.high_water)
+    # used bytes at the steady chunk: replay again up to it (used_bytes() walks every segment).
+    again = LayerReplay(geom)
+    for k in range(idx + 1):
+        again.advance()
+        if is_scene_cut(k, geom.scene_cut_every):
+            again.pin()
+    return LayerCensus(tuple(after), tuple(peak), idx, *best, again.used_bytes(), view)
+
+
+def closed_form_segments(geom: Geometry) -> tuple[int, int]:
+    """`(bf16, packed)` segments per layer at steady state without pins (the module docstring's formula)."""
+    n, E = geom.chunk_tokens, geom.effective_sink
+    k = -(-E // n)
+    T = -(-(geom.cache_size - E) // n)
+    q = geom.quant
+    if not q.enabled:
+        return k + T, 0
+    packed = (max(0, k - q.sink_keep_chunks) if q.sink else 0) + max(0, T - 1 - q.keep_recent_chunks)
+    return k + T - packed, packed
+
+
+def closed_form_used_bytes(geom: Geometry) -> int:
+    """Bytes the retained rows occupy per layer at steady state without pins (what the cache reports as used).
+
+    Sink segments hold `n` tokens each except the last (`E - (k-1) n`); the oldest window segment holds
+    `(C - E) - (T-1) n`; packed segments are the oldest window ones and the sink ones past `sink_keep_chunks`.
+    """
+    n, E, C = geom.chunk_tokens, geom.effective_sink, geom.cache_size
+    k, T = -(-E // n), -(-(C - E) // n)
+    q = geom.quant
+    packed = geom.packed_layout()
+    dense = geom.dense
+    if packed is None:
+        return dense.used_bytes_for_tokens(C)
+
+    def used(is_packed: bool, count: int, tokens: int) -> int:
+        return count * (packed if is_packed else dense).used_bytes_for_tokens(tokens) if count > 0 else 0
+
+    total = 0
+    if k:  # sink: k - 1 full segments (indices 0..k-2), then the last one with E - (k-1) n tokens
+        sink_packed_full = max(0, k - 1 - q.sink_keep_chunks) if q.sink else 0
+        total += used(True, sink_packed_full, n) + used(False, k - 1 - sink_packed_full, n)
+        total += used(q.sink and k - 1 >= q.sink_keep_chunks, 1, E - (k - 1) * n)
+    n_packed = max(0, T - 1 - q.keep_recent_chunks)  # window: the oldest (partial) first, then T - 1 full ones
+    total += used(n_packed > 0, 1, (C - E) - (T - 1) * n)
+    full_packed = max(0, n_packed - 1)
+    total += used(True, full_packed, n) + used(False, T - 1 - full_packed, n)
+    return total
+
+
+def segment_pages(geom: Geometry) -> tuple[int, int]:
+    """`(bf16, packed)` pages of one chunk-sized segment (packed is 0 when quantization is off)."""
+    packed = geom.packed_layout()
+    n = geom.chunk_tokens
+    return geom.dense.pages_for_tokens(n), (packed.pages_for_tokens(n) if packed is not None else 0)
+
+
+def closed_form_view_tokens(geom: Geometry) -> int:
+    """Tokens of the largest view at steady state without pins (full cache, current chunk at the end)."""
+    C, n = geom.cache_size, geom.chunk_tokens
+    ranges = view_slot_ranges(
+        local_end=C,
+        window=geom.attention_window or C,
+        sink=geom.effective_sink,
+        global_sink_tokens=geom.global_sink_tokens,
+        pin_start=-1,
+        pin_len=0,
+        local_start=C - n,
+        recent_window_tokens=None,
+    )
+    return sum(b - a for a, b in ranges)
+
+
+# ---------------------------------------------------------------------------------------------------- plans
+@dataclass(frozen=True, slots=True)
+class SettingPlan:
+    """Steady-state memory of one quantization setting. Bytes are exact; `all_*` cover every cache in the pool."""
+
+    mode: str  # "off", "int4", "int2"
+    quant: QuantConfig
+    caches: int
+    page_bytes: int
+    chunk_tokens: int
+    bf16_segments: int  # per layer at steady state
+    packed_segments: int
+    bf16_segment_pages: int  # pages of one chunk-sized segment
+    packed_segment_pages: int
+    pages: int  # per layer at steady state
+    bf16_pages: int
+    packed_pages: int
+    used_bytes: int  # per layer: bytes really occupied inside the pages
+    high_water_pages: int  # the whole pool
+    view_tokens: int
+    view_bytes: int  # transient, one layer's view at a time, outside the pool
+    dense_bytes: int  # the dense reference cache, per layer
+    warmup_chunks: int | None  # chunks until the steady state is first reached (None: closed form, not computed)
+    exact_by: str  # "closed form" or "replay"
+
+    @property
+    def bytes(self) -> int:
+        """Pool bytes one layer holds at steady state (whole pages)."""
+        return self.pages * self.page_bytes
+
+    @property
+    def waste_bytes(self) -> int:
+        return self.bytes - self.used_bytes
+
+    @property
+    def all_bytes(self) -> int:
+        return self.bytes * self.caches
+
+    @property
+    def pool_pages(self) -> int:
+        """Pages the pool needs: its high-water mark (== all layers' steady state for this pattern)."""
+        return self.high_water_pages
+
+    @property
+    def pool_bytes(self) -> int:
+        return self.high_water_pages * self.page_bytes
+
+    @property
+    def budget_bytes(self) -> int:
+        """Device memory this setting needs: the pool plus one transient view."""
+        return self.pool_bytes + self.view_bytes
+
+    def as_dict(self) -> dict[str, object]:
+        """JSON-ready figures (ints, bytes)."""
+        return {
+            "mode": self.mode,
+            "exact_by": self.exact_by,
+            "per_layer": {
+                "bytes": self.bytes,
+                "pages": self.pages,
+                "used_bytes": self.used_bytes,
+                "waste_bytes": self.waste_bytes,
+                "bf16_bytes": self.bf16_pages * self.page_bytes,
+                "packed_bytes": self.packed_pages * self.page_bytes,
+                "bf16_segments": self.bf16_segments,
+                "packed_segments": self.packed_segments,
+                "dense_bytes": self.dense_bytes,
+            },
+            "all_layers": {
+                "bytes": self.all_bytes,
+                "pages": self.pages * self.caches,
+                "used_bytes": self.used_bytes * self.caches,
+                "waste_bytes": self.waste_bytes * self.caches,
+                "dense_bytes": self.dense_bytes * self.caches,
+            },
+            "segment_pages": {"bf16": self.bf16_segment_pages, "packed": self.packed_segment_pages},
+            "ratio_vs_dense": self.dense_bytes / self.bytes if self.bytes else math.inf,
+            "pool_pages": self.pool_pages,
+            "pool_bytes": self.pool_bytes,
+            "transient_view_tokens": self.view_tokens,
+            "transient_view_bytes": self.view_bytes,
+            "budget_bytes": self.budget_bytes,
+            "warmup_chunks": self.warmup_chunks,
+        }
+
+
+def plan_geometry(geom: Geometry, *, replay: bool | None = None) -> SettingPlan:
+    """The steady-state plan of `geom`, from the single-layer replay (`replay=True`; exact for every pattern, and
+    it knows the warm-up) or the closed form (`replay=False`; O(1), no pins only; tests check that both agree).
+    Default: the replay with pins or for caches of up to `REPLAY_MAX_CHUNKS` chunks, else the closed form."""
+    bf16_seg, packed_seg = segment_pages(geom)
+    mode = geom.quant.mode
+    if replay is None:
+        replay = bool(geom.scene_cut_every) or geom.cache_size <= REPLAY_MAX_CHUNKS * geom.chunk_tokens
+    if replay or geom.scene_cut_every:
+        census = replay_layer(geom)
+        return SettingPlan(
+            mode=mode,
+            quant=geom.quant,
+            caches=geom.caches,
+            page_bytes=geom.page_bytes,
+            chunk_tokens=geom.chunk_tokens,
+            bf16_segments=census.bf16_segments,
+            packed_segments=census.packed_segments,
+            bf16_segment_pages=bf16_seg,
+            packed_segment_pages=packed_seg,
+            pages=census.steady_pages,
+            bf16_pages=census.bf16_pages,
+            packed_pages=census.packed_pages,
+            used_bytes=census.used_bytes,
+            high_water_pages=census.pool_high_water(geom.caches),
+            view_tokens=census.view_tokens,
+            view_bytes=geom.view_bytes(census.view_tokens),
+            dense_bytes=geom.dense_cache_bytes(),
+            warmup_chunks=census.steady_index + 1,
+            exact_by="replay",
+        )
+    nb, npk = closed_form_segments(geom)
+    pages = nb * bf16_seg + npk * packed_seg
+    view = closed_form_view_tokens(geom)
+    used = closed_form_used_bytes(geom)
+    return SettingPlan(
+        mode=mode,
+        quant=geom.quant,
+        caches=geom.caches,
+        page_bytes=geom.page_bytes,
+        chunk_tokens=geom.chunk_tokens,
+        bf16_segments=nb,
+        packed_segments=npk,
+        bf16_segment_pages=bf16_seg,
+        packed_segment_pages=packed_seg,
+        pages=pages,
+        bf16_pages=nb * bf16_seg,
+        packed_pages=npk * packed_seg,
+        used_bytes=used,
+        high_water_pages=pages * geom.caches + (max(0, bf16_seg - packed_seg) if npk else 0),
+        view_tokens=view,
+        view_bytes=geom.view_bytes(view),
+        dense_bytes=geom.dense_cache_bytes(),
+        warmup_chunks=None,
+        exact_by="closed form",
+    )
+
+
+def setting_quant(base: QuantConfig, bits: int | None) -> QuantConfig:
+    """`base` with `bits` (trit packing only where it is valid: symmetric int2)."""
+    trits = base.pack_trits and bits == 2 and not base.asymmetric
+    return dataclasses.replace(base, bits=bits, pack_trits=trits)
+
+
+def setting_geometries(w: Workload) -> tuple[list[Geometry], list[tuple[str, str]]]:
+    """Geometries for quantization off, int4 and int2 (the workload's other quant knobs kept), and `(mode, reason)`
+    for the modes that cannot work with this shape (e.g. a block size that does not divide head_dim). The workload's
+    own setting must work (ValueError otherwise)."""
+    geoms: list[Geometry] = []
+    skipped: list[tuple[str, str]] = []
+    Geometry.from_workload(w)
+    for bits in PLAN_BITS:
+        q = setting_quant(w.quant, bits)
+        try:
+            geoms.append(Geometry.from_workload(w, q))
+        except ValueError as exc:
+            skipped.append((q.mode, str(exc)))
+    return geoms, skipped
+
+
+def plan_settings(w: Workload) -> list[SettingPlan]:
+    """Plans for quantization off, int4 and int2 (the workload's other quant knobs kept; modes that cannot work
+    with this shape are left out, see `setting_geometries`)."""
+    return [plan_geometry(g) for g in setting_geometries(w)[0]]
+
+
+def budget_needed(geom: Geometry, window_frames: int) -> int:
+    """Device bytes (pool + one view) `geom` needs with a window of `window_frames` frames."""
+    return plan_geometry(geom.with_window_frames(window_frames), replay=False).budget_bytes
+
+
+def search_limit_frames(geom: Geometry) -> int:
+    """Largest window (frames) `max_window_frames` tries: 2^20 frames, or 1,024 chunks with scene-cut pins (each
+    try then replays ~2x the window chunk by chunk)."""
+    if geom.scene_cut_every:
+        return MAX_PINNED_SEARCH_CHUNKS * max(1, geom.chunk_tokens // geom.tokens_per_frame)
+    return MAX_SEARCH_FRAMES
+
+
+def max_window_frames(geom: Geometry, budget: int, min_frames: int) -> int | None:
+    """Largest window (frames, >= `min_frames`, <= `search_limit_frames`) whose pool + view fit in `budget` bytes;
+    None if none fits. Memory grows with the window, so a doubling search then bisection: O(log window) plans.
+    """
+    if budget_needed(geom, min_frames) > budget:
+        return None
+    limit = max(min_frames, search_limit_frames(geom))
+    lo, hi = min_frames, min_frames * 2
+    while True:
+        if hi >= limit:
+            if budget_needed(geom, limit) <= budget:
+                return limit
+            hi = limit
+            break
+        if budget_needed(geom, hi) > budget:
+            break
+        lo, hi = hi, hi * 2
+    while hi - lo > 1:
+        mid = (lo + hi) // 2
+        if budget_needed(geom, mid) <= budget:
+            lo = mid
+        else:
+            hi = mid
+    return lo
+
+
+def min_window_frames(geom: Geometry, chunk_frames: int) -> int:
+    """Smallest window (frames) the geometry accepts: one chunk, more if a scene-cut pin grows the sink."""
+    frames = chunk_frames
+    if geom.scene_cut_every and geom.sink_tokens > 0:
+        e_pin = geom.global_sink_tokens + min(geom.sink_tokens, geom.chunk_tokens)
+        extra = max(0, e_pin - geom.effective_sink)
+        frames += -(-extra // geom.tokens_per_frame)
+    return frames

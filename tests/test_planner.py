@@ -1,0 +1,262 @@
+"""The planner's formulas against the real pool: `plan` (closed form and replay) == `BlockPool.stats()` of real caches.
+
+Real runs use tiny shapes (2 heads x 16 channels, 4-5 tokens per frame, 1 KiB-ish pages) and random data, so every
+configuration below runs in well under a second or two; quantized ones run the real PRQ packing.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import itertools
+
+import pytest
+import torch
+
+from pagedqvg.planner import (
+    Geometry,
+    LayerReplay,
+    budget_needed,
+    call_pattern,
+    closed_form_segments,
+    max_window_frames,
+    min_window_frames,
+    plan_geometry,
+    plan_settings,
+    replay_layer,
+    search_limit_frames,
+    setting_quant,
+)
+from pagedqvg.presets import PRESETS, Workload, get_preset
+from pagedqvg.quant.config import QuantConfig
+from pagedqvg.simulate import chunk_end_records, compare_records, run_accounting, run_caches, summarize
+
+SMALL_QUANT = dict(centroids=4, block_size=16, kmeans_iters=1)
+
+
+def tiny(**kw) -> Workload:
+    """A tiny lingbot-like workload: 3 layers x 2 heads x 16, 4 tokens/frame, 2-frame chunks, 2-frame global sink."""
+    base = dict(
+        name="tiny",
+        layers=3,
+        heads=2,
+        head_dim=16,
+        tokens_per_frame=4,
+        chunk_frames=2,
+        sink_frames=2,
+        window_frames=6,
+        global_sink=True,
+        page_bytes=1024,
+        chunks=14,
+        denoise_steps=2,
+    )
+    base.update(kw)
+    return Workload(**base)
+
+
+def random_data(geom: Geometry, seed: int = 0):
+    """Chunk k -> random K/V `[B, n, H, D]` in the cache dtype (deterministic per chunk)."""
+
+    def data(k: int) -> tuple[torch.Tensor, torch.Tensor]:
+        g = torch.Generator().manual_seed(seed * 1000 + k)
+        shape = (geom.batch_size, geom.chunk_tokens, geom.heads, geom.head_dim)
+        return torch.randn(shape, generator=g).to(geom.dtype), torch.randn(shape, generator=g).to(geom.dtype)
+
+    return data
+
+
+# Quantization off: every configuration must match the pool exactly, call by call.
+BF16_CASES = {
+    "aligned": tiny(),
+    "unaligned-sink-and-pages": tiny(sink_frames=3, page_bytes=768),
+    "window-not-a-chunk-multiple": tiny(window_frames=5, page_bytes=1280),
+    "no-sink": tiny(sink_frames=0),
+    "longlive-pins-gs0": tiny(global_sink=False, scene_cut_every=3, chunks=16),
+    "pins-with-global-sink": tiny(scene_cut_every=4, window_frames=8, chunks=18),
+    "pins-unaligned": tiny(global_sink=False, sink_frames=1, scene_cut_every=3, window_frames=7, chunks=16),
+    "batch2-fp32-two-sets": tiny(batch_size=2, dtype="fp32", cache_sets=2, page_bytes=2048),
+    "attention-window": tiny(attention_window_tokens=12, chunks=10),
+    "sink-tokens-override": tiny(sink_tokens=5, global_sink_tokens=3, window_frames=4, chunks=10),
+}
+
+QUANT_CASES = {
+    "int2-keep1": tiny(quant=QuantConfig(bits=2, **SMALL_QUANT)),
+    "int4-keep0-sinkkeep1": tiny(quant=QuantConfig(bits=4, keep_recent_chunks=0, sink_keep_chunks=1, **SMALL_QUANT)),
+    "int2-sink-off-unaligned": tiny(sink_frames=3, page_bytes=768,
+                                    quant=QuantConfig(bits=2, sink=False, keep_recent_chunks=2, **SMALL_QUANT)),
+    "int2-pins": tiny(global_sink=False, scene_cut_every=3, chunks=12, quant=QuantConfig(bits=2, **SMALL_QUANT)),
+}
+
+
+def _run_and_check(w: Workload) -> None:
+    geom = Geometry.from_workload(w)
+    plan = plan_geometry(geom, replay=True)
+    # The pool is sized exactly at the plan's high-water mark: a plan one page short would raise here.
+    measured = run_caches(geom, w, data=random_data(geom), progress=False)
+    assert measured.quant_mode == geom.quant.mode
+    assert measured.pool_capacity_bytes == plan.pool_bytes
+    accounting = run_accounting(geom, w.chunks)
+    compared, mismatches, first = compare_records(measured.records, accounting.records)
+    assert compared == len(measured.records) == len(accounting.records)
+    assert mismatches == 0, first
+    ends = chunk_end_records(measured.records)
+    assert w.chunks >= plan.warmup_chunks
+    assert max(r["held_bytes"] for r in ends) == plan.all_bytes
+    assert max(r["high_water_bytes"] for r in measured.records) == plan.pool_bytes
+    steady = next(r for r in ends if r["held_bytes"] == plan.all_bytes)
+    assert steady["used_bytes"] == plan.used_bytes * plan.caches
+    assert steady["bf16_bytes"] == plan.bf16_pages * plan.page_bytes * plan.caches
+    assert steady["packed_bytes"] == plan.packed_pages * plan.page_bytes * plan.caches
+    assert max(r["view_tokens"] for r in measured.records) == plan.view_tokens
+    summary = summarize(w, geom, measured, accounting=accounting)
+    assert summary["agreement"]["checked"] and summary["agreement"]["ok"]
+    assert summary["agreement"]["steady_state_rel_diff"] == 0.0
+    if not geom.scene_cut_every:
+        closed = plan_geometry(geom, replay=False)
+        for name in ("pages", "bf16_segments", "packed_segments", "used_bytes", "high_water_pages", "view_tokens"):
+            assert getattr(closed, name) == getattr(plan, name), name
+
+
+@pytest.mark.parametrize("case", sorted(BF16_CASES))
+def test_plan_equals_pool_stats_bf16(case: str) -> None:
+    _run_and_check(BF16_CASES[case])
+
+
+@pytest.mark.parametrize("case", sorted(QUANT_CASES))
+def test_plan_equals_pool_stats_quantized(case: str) -> None:
+    _run_and_check(QUANT_CASES[case])
+
+
+def test_closed_form_equals_replay_on_a_grid() -> None:
+    """Without pins the O(1) closed form and the replay agree on every figure (sinks, windows, pages, quant)."""
+    checked = 0
+    grid = itertools.product([4, 5], [1, 2, 3], [0, 1, 4], [2, 3, 7], [True, False], [None, 2], [0, 1], [0, 1],
+                             [True, False])
+    for tpf, cf, sf, wf, gs, bits, keep, skeep, sink in grid:
+        if wf < cf:
+            continue
+        q = QuantConfig(bits=bits, keep_recent_chunks=keep, sink_keep_chunks=skeep, sink=sink, **SMALL_QUANT)
+        w = tiny(tokens_per_frame=tpf, chunk_frames=cf, sink_frames=sf, window_frames=wf, global_sink=gs, quant=q)
+        geom = Geometry.from_workload(w)
+        a, b = plan_geometry(geom, replay=True), plan_geometry(geom, replay=False)
+        for name in ("pages", "bf16_segments", "packed_segments", "used_bytes", "high_water_pages", "view_tokens"):
+            assert getattr(a, name) == getattr(b, name), (name, tpf, cf, sf, wf, gs, bits, keep, skeep, sink)
+        checked += 1
+    assert checked > 500
+
+
+def test_lingbot_world_plan_from_the_layout() -> None:
+    """The preset's figures, derived by hand from the row and page sizes (no per-token constants in the planner)."""
+    geom = Geometry.from_workload(get_preset("lingbot-world"))
+    assert (geom.chunk_tokens, geom.sink_tokens, geom.global_sink_tokens) == (4680, 4680, 4680)
+    assert geom.cache_size == 21 * 1560 == 32760
+    row = 40 * 128 * 2  # one token, K or V, all heads, bf16
+    tokens_per_page = ((2 << 20) // row) // 2  # whole tokens (K and V rows) per page: 102
+    chunk_pages = -(-4680 // tokens_per_page)  # 46
+    plan = plan_geometry(geom)
+    assert (plan.bf16_segments, plan.packed_segments) == (7, 0)  # 1 sink chunk + 6 window chunks (current included)
+    assert plan.pages == 7 * chunk_pages == 322
+    assert plan.bytes == 322 * (2 << 20)
+    assert plan.dense_bytes == 2 * 1 * 32760 * 40 * 128 * 2
+    assert plan.used_bytes == plan.dense_bytes
+    assert plan.pool_pages == 40 * 322
+    assert plan.view_tokens == 32760
+    int2 = plan_geometry(Geometry.from_workload(get_preset("lingbot-world"), QuantConfig(bits=2)))
+    packed_row = 40 * (32 + 2 + 1)  # codes + fp8 scales + centroid id, per head
+    token_pages = -(-4680 // (((2 << 20) // packed_row) // 2))
+    codebook_pages = -(-(2 * 40) // ((2 << 20) // (128 * 128 * 2)))
+    assert int2.packed_segment_pages == token_pages + codebook_pages == 9
+    # sink packed, 4 window chunks packed, current + 1 recent chunk in bf16
+    assert (int2.bf16_segments, int2.packed_segments) == (2, 5)
+    assert int2.pages == 2 * 46 + 5 * 9
+    assert int2.pool_pages == 40 * int2.pages + (46 - 9)
+
+
+@pytest.mark.parametrize("name", ["lingbot-world", "longlive2", "self-forcing"])
+def test_presets_plan(name: str) -> None:
+    plans = plan_settings(PRESETS[name])
+    assert [p.mode for p in plans] == ["off", "int4", "int2"]
+    off, int4, int2 = plans
+    assert off.pages >= int4.pages >= int2.pages
+    assert off.bytes >= off.dense_bytes  # whole pages never hold less than the rows
+    assert off.waste_bytes < 0.03 * off.bytes  # page tails only
+    assert all(p.pool_bytes >= p.all_bytes for p in plans)
+
+
+def test_longlive2_geometry() -> None:
+    geom = Geometry.from_workload(PRESETS["longlive2"])
+    assert (geom.sink_tokens, geom.global_sink_tokens, geom.chunk_tokens) == (8 * 880, 0, 8 * 880)
+    assert geom.cache_size == 40 * 880
+    assert geom.scene_cut_every == 10
+    plan = plan_geometry(geom)
+    assert plan.exact_by == "replay" and plan.pages == 5 * geom.dense.pages_for_tokens(8 * 880)
+
+
+def test_call_pattern_counts() -> None:
+    geom = Geometry.from_workload(tiny(global_sink=False, scene_cut_every=3, cache_sets=2))
+    calls = list(call_pattern(geom, 10))
+    caches = 6
+    assert len(calls) == 10 * 3 * caches + 3 * caches  # (advance + 1 denoise + clean) per cache; pins at 3, 6, 9
+    assert [c.op for c in calls[: 3 * caches : caches]] == ["advance", "denoise", "clean"]
+    assert sum(c.op == "pin" for c in calls) == 3 * caches
+
+
+@pytest.mark.parametrize(
+    "w",
+    [tiny(), tiny(quant=QuantConfig(bits=2, **SMALL_QUANT)), tiny(global_sink=False, scene_cut_every=3)],
+    ids=["bf16", "int2", "pins"],
+)
+def test_max_window_frames_is_the_largest_that_fits(w: Workload) -> None:
+    geom = Geometry.from_workload(w)
+    lo = min_window_frames(geom, w.chunk_frames)
+    needs = {f: plan_geometry(geom.with_window_frames(f), replay=True).budget_bytes for f in range(lo, 60)}
+    for budget in (needs[lo], needs[lo] + 5000, needs[20], needs[37] + 1):
+        best = max(f for f, need in needs.items() if need <= budget)
+        assert max_window_frames(geom, budget, lo) == best
+        assert budget_needed(geom, best) <= budget < budget_needed(geom, best + 1)
+    assert max_window_frames(geom, needs[lo] - 1, lo) is None
+
+
+def test_search_limit_with_pins() -> None:
+    geom = Geometry.from_workload(tiny(global_sink=False, scene_cut_every=3))
+    limit = search_limit_frames(geom)
+    assert max_window_frames(geom, 1 << 50, 2) == limit
+
+
+@pytest.mark.parametrize(
+    ("changes", "match"),
+    [
+        ({"window_frames": 1}, "window smaller than a chunk"),
+        ({"cache_size_tokens": 10}, "window smaller than a chunk"),
+        ({"page_bytes": 1000}, "multiple of 256"),
+        ({"page_bytes": 256, "heads": 8}, "page size"),
+        ({"layers": 0}, "layers"),
+        ({"sink_frames": -1}, "sink-frames"),
+        ({"scene_cut_every": 2, "window_frames": 2, "global_sink_tokens": 8}, "scene-cut pin"),
+        ({"quant": QuantConfig(bits=2, block_size=64)}, "block_size"),
+    ],
+)
+def test_geometry_rejects_bad_workloads(changes: dict, match: str) -> None:
+    with pytest.raises(ValueError, match=match):
+        w = dataclasses.replace(tiny(), **changes)
+        geom = Geometry.from_workload(w)
+        plan_settings(w) if geom else None
+
+
+def test_replay_is_fast_for_long_windows() -> None:
+    """The replay is O(N log N): 20,000 chunks of a pinned, quantized pattern in a few seconds at most."""
+    w = tiny(global_sink=False, scene_cut_every=7, window_frames=4000, quant=QuantConfig(bits=2, **SMALL_QUANT))
+    census = replay_layer(Geometry.from_workload(w), chunks=5000)
+    assert len(census.after) == 5000
+
+
+def test_layer_replay_rejects_rewrite_before_advance() -> None:
+    with pytest.raises(ValueError, match="before the first advance"):
+        LayerReplay(Geometry.from_workload(tiny())).rewrite()
+
+
+def test_segment_formula_text_matches_docstring() -> None:
+    geom = Geometry.from_workload(tiny(quant=QuantConfig(bits=2, keep_recent_chunks=1, **SMALL_QUANT)))
+    # E = 8 tokens -> k = 1 sink segment; window 24 tokens -> T = 3 segments: current + 1 recent bf16, 1 packed
+    assert closed_form_segments(geom) == (2, 2)
+    assert closed_form_segments(Geometry.from_workload(tiny())) == (4, 0)
+    assert setting_quant(QuantConfig(pack_trits=True, bits=2), 4).pack_trits is False
