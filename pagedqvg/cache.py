@@ -307,12 +307,15 @@ class PagedCausalKVCache:
 
     def last_view_sources(self) -> list[tuple[int, int, str]]:
         """Where the rows of the last returned view came from, in order: `(global_start, global_end, kind)` with
-        kind "dense" or "packed". Valid until the cache changes. O(runs + segments)."""
+        kind "dense" or "packed" (and `(-1, m - 1, "zeros")` for `m` slots the cache never filled). Valid until the
+        cache changes. O(runs + segments)."""
         out: list[tuple[int, int, str]] = []
         for a, b in getattr(self, "_last_view_ranges", []):
-            for g0, g1 in self._map.to_global(a, b):
+            for g0, g1 in self._map.to_global(a, min(b, self._L)):
                 for entry in self._index.overlapping(g0, g1):
                     out.append((max(g0, entry.start), min(g1, entry.end), entry.value.kind))
+            if b > max(a, self._L):
+                out.append((-1, b - max(a, self._L) - 1, "zeros"))
         return out
 
     def segments(self) -> list[tuple[int, int, int]]:
@@ -380,7 +383,7 @@ class PagedCausalKVCache:
 
     def _oldest_rewritable(self) -> int:
         """The smallest global start a write may have now (tokens before it are not in the rolling tail)."""
-        return self._G - (self._L - self._map.tail_start())
+        return self._G - (self._L - self._map.tail_start(self._G))
 
     def _sequencing_error(self, what: str, start: int, n: int) -> SequencingError:
         floor = self._oldest_rewritable()
@@ -401,7 +404,7 @@ class PagedCausalKVCache:
             raise self._sequencing_error(f"gap: the chunk starts after the global end {G}", s, n)
         if e <= G:
             ls = s - (G - L)
-            if ls < smap.tail_start():
+            if ls < smap.tail_start(G):
                 raise self._sequencing_error("rewrite of tokens that are no longer in the rolling tail", s, n)
             return _WritePlan(ls, ls + n, 0, C, W, G, L, self._P, smap)
         a = e - G
@@ -423,7 +426,7 @@ class PagedCausalKVCache:
                     f"sink: cache_size C={C}, effective sink E={E}, so a chunk may be at most C - E = {C - E} "
                     f"tokens; raise cache_size, shrink the chunk or the sink"
                 )
-            if L - (G - s) < smap.tail_start():
+            if L - (G - s) < smap.tail_start(G):
                 raise self._sequencing_error("rewrite of tokens that are no longer in the rolling tail", s, n)
             new_map, dropped = smap.rolled(E, ev)
             if P >= 0 and self._PL > 0 and P >= E:
@@ -441,7 +444,7 @@ class PagedCausalKVCache:
         else:
             le = L + a
             ls = le - n
-            if ls < smap.tail_start():
+            if ls < smap.tail_start(G):
                 raise self._sequencing_error("rewrite of tokens that are no longer in the rolling tail", s, n)
             new_map = smap
         new_map = new_map.appended(le - a, a, G)
@@ -538,11 +541,17 @@ class PagedCausalKVCache:
         plan = self._plans.get(key)
         if plan is None:
             parts = []
-            for part in self._parts([g for a, b in ranges for g in self._map.to_global(a, b)]):
-                if part[0] == "d":
-                    parts.extend(("s", self._head_slice(page, a, b, h0, hin), b - a) for page, a, b in part[1])
-                else:
-                    parts.append(part)
+            L = self._L
+            for a, b in ranges:
+                for part in self._parts(self._map.to_global(a, min(b, L))):
+                    if part[0] == "d":
+                        parts.extend(("s", self._head_slice(page, x, y, h0, hin), y - x) for page, x, y in part[1])
+                    else:
+                        parts.append(part)
+                if b > max(a, L):
+                    # Slots the cache never filled (a sink longer than the local end): zeros, as the dense
+                    # cache's zero-initialised buffer reads there.
+                    parts.append(("z", b - max(a, L)))
             plan = self._remember(key, (parts, sum(p[-1] for p in parts)))
         return plan
 
@@ -575,6 +584,8 @@ class PagedCausalKVCache:
             kind, m = part[0], part[-1]
             if kind == "s":
                 out_t[o : o + m].copy_(part[1])
+            elif kind == "z":
+                out_t[o : o + m].zero_()
             elif kind == "i":
                 out[:, :, o : o + m] = self._rows[:, :, h0 : h0 + hin][part[1], part[2]]
             else:
@@ -862,10 +873,10 @@ class PagedCausalKVCache:
         pos = _as_index("pos", pos, self.debug_name)
         G, L = self._G, self._L
         E = self.effective_sink_tokens()
-        floor = self._map.tail_start() if G == L else max(self._map.tail_start(), E)
+        floor = self._map.tail_start(self._G) if G == L else max(self._map.tail_start(self._G), E)
         floor_g = G - (L - floor) if floor <= L else G
         if pos < 0:
-            raise ValueError(f"{self.debug_name}: rewind_to({pos}): position is negative (valid: {floor_g}..{G})")
+            raise SequencingError(f"{self.debug_name}: rewind_to({pos}): position is negative (valid: {floor_g}..{G})")
         if pos > G:
             raise SequencingError(
                 f"{self.debug_name}: rewind_to({pos}) is past the global end {G}; valid positions: {floor_g}..{G}"
@@ -882,6 +893,14 @@ class PagedCausalKVCache:
         removed, straddler = self._index.truncate(pos)
         for entry in removed:
             self.pool.free(entry.value.pages, self.owner)
+        new_map = self._map.truncated(new_l)
+        if straddler is not None and not any(
+            g0 < straddler.end and straddler.start < g1 for g0, g1 in new_map.global_ranges()
+        ):
+            # Its remaining tokens were evicted earlier: nothing of it is in a slot any more.
+            self._index.remove(straddler)
+            self.pool.free(straddler.value.pages, self.owner)
+            straddler = None
         if straddler is not None:
             seg = straddler.value
             tokens = straddler.end - straddler.start
@@ -899,7 +918,7 @@ class PagedCausalKVCache:
                     del seg.pages[keep:]
                     seg.pages_t = None
         self._G, self._L = pos, new_l
-        self._map = self._map.truncated(new_l)
+        self._map = new_map
         if new_l < self._P + self._PL:
             self._P, self._PL = -1, 0
         self._structure_changed()

@@ -38,9 +38,16 @@ class SlotMap:
         """Number of mapped slots (the cache's local end `L`)."""
         return self.runs[-1][1] if self.runs else 0
 
-    def tail_start(self) -> int:
-        """First slot of the last run: slots from here to `end` hold consecutive tokens ending at the global end."""
-        return self.runs[-1][0] if self.runs else 0
+    def tail_start(self, global_end: int) -> int:
+        """First slot of the rolling tail: slots from here to `end` hold consecutive tokens ending at `global_end`.
+
+        `end` when no run ends at `global_end` (e.g. a rewind dropped the whole tail and only sink slots remain).
+        """
+        if self.runs:
+            s0, s1, g0 = self.runs[-1]
+            if g0 + s1 - s0 == global_end:
+                return s0
+        return self.end
 
     def appended(self, slot_start: int, count: int, global_start: int) -> SlotMap:
         """Map `count` more slots from `slot_start` (must equal `end`) to tokens from `global_start`."""

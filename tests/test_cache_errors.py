@@ -218,7 +218,7 @@ CASES = {
         SequencingError,
         ["rewind_to(19)", "past the global end 18", "8..18"],
     ),
-    "rewind negative": (rolled_cache, lambda c: c.rewind_to(-1), ValueError, ["rewind_to(-1)", "8..18"]),
+    "rewind negative": (rolled_cache, lambda c: c.rewind_to(-1), SequencingError, ["rewind_to(-1)", "8..18"]),
     "pin with a float": (rolled_cache, lambda c: c.pin_current_chunk(1.5), TypeError, ["num_tokens", "1.5"]),
 }
 

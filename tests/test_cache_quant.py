@@ -92,7 +92,7 @@ def test_lingbot_pattern_quant_on_matches_quant_off_slots(quant, max_rel):
 def test_keep_recent_and_sink_keep_policy():
     k, v = video_kv(40, TPF, H, D, seed=4)
     quant = QuantConfig(bits=2, centroids=16, block_size=16, keep_recent_chunks=2, sink=True, sink_keep_chunks=1)
-    pool, _, packed = caches(quant, cache_size=TPF * 24)
+    _pool, _, packed = caches(quant, cache_size=TPF * 24)
     for c in range(6):
         s = c * CHUNK
         packed.update_and_get_attention_kv(key=k[:, s : s + CHUNK], value=v[:, s : s + CHUNK], current_chunk_start=s)
@@ -100,7 +100,7 @@ def test_keep_recent_and_sink_keep_policy():
     # chunk 0 is the sink chunk (kept: sink_keep_chunks=1); chunks 1..2 packed; 3, 4 are the 2 recent; 5 current.
     assert kinds == {0: "dense", 48: "packed", 96: "packed", 144: "dense", 192: "dense", 240: "dense"}
     quant_nosink = QuantConfig(bits=2, centroids=16, block_size=16, keep_recent_chunks=0, sink=False)
-    pool, _, packed = caches(quant_nosink, cache_size=TPF * 24)
+    _pool, _, packed = caches(quant_nosink, cache_size=TPF * 24)
     for c in range(3):
         s = c * CHUNK
         packed.update_and_get_attention_kv(key=k[:, s : s + CHUNK], value=v[:, s : s + CHUNK], current_chunk_start=s)
@@ -227,7 +227,7 @@ def test_non_finite_chunk_stays_unpacked_with_a_warning():
     k, v = video_kv(20, TPF, H, D, seed=9)
     k = k.clone()
     k[0, 3, 1, 5] = float("inf")
-    pool, plain, packed = caches(Q2, cache_size=TPF * 24)
+    pool, _plain, packed = caches(Q2, cache_size=TPF * 24)
     with pytest.warns(UserWarning, match="stays unpacked: .*non-finite"):
         for c in range(4):
             s = c * CHUNK

@@ -1,0 +1,245 @@
+"""pagedqvg side by side with the designs it replaces (benchmarks/baselines.py), on the same data, in one process.
+
+    python benchmarks/bench_vs_baselines.py [--quick] [--out benchmarks/results]
+
+Prints Markdown tables and writes `<out>/vs_baselines.md` and `<out>/vs_baselines.json`. Times are medians of
+repeated runs (noisy on shared machines: read the ratios, not the absolute numbers); bytes and allocation counts
+are exact. Nothing is asserted.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import platform
+import statistics
+import sys
+import time
+from datetime import datetime, timezone
+from pathlib import Path
+
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from baselines import DenseCache, SegmentListCache
+
+from pagedqvg import BlockPool, PagedCausalKVCache, QuantConfig
+from pagedqvg.synthetic import video_kv
+
+SHAPES = {
+    # per-layer shapes of SEMANTICS.md with heads and tokens/frame scaled to a 2-core CPU
+    "lingbot-like": dict(heads=4, head_dim=128, tpf=390, chunk_frames=3, sink_frames=3, window_frames=18),
+    "longlive2-like": dict(heads=4, head_dim=128, tpf=220, chunk_frames=8, sink_frames=8, window_frames=32),
+}
+QUANTS = {"off": None, "int4": QuantConfig(bits=4), "int2": QuantConfig(bits=2)}
+
+
+class AllocationCounter(TorchDispatchMode):
+    """Counts tensors allocated by torch ops (new storages, not views) and their bytes."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.count = 0
+        self.bytes = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        seen = set()
+        for a in [*args, *kwargs.values()]:
+            for t in a if isinstance(a, (list, tuple)) else [a]:
+                if isinstance(t, torch.Tensor):
+                    seen.add(t.untyped_storage().data_ptr())
+        out = func(*args, **kwargs)
+        for t in out if isinstance(out, (list, tuple)) else [out]:
+            if isinstance(t, torch.Tensor) and t.untyped_storage().data_ptr() not in seen:
+                seen.add(t.untyped_storage().data_ptr())
+                self.count += 1
+                self.bytes += t.untyped_storage().nbytes()
+        return out
+
+
+def median_time(fn, repeats: int) -> float:
+    fn()
+    times = []
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - t0)
+    return statistics.median(times)
+
+
+def geometry(shape: dict) -> dict:
+    tpf = shape["tpf"]
+    chunk = shape["chunk_frames"] * tpf
+    sink = shape["sink_frames"] * tpf
+    cache_size = sink + shape["window_frames"] * tpf
+    return dict(chunk=chunk, sink=sink, cache_size=cache_size)
+
+
+def build(kind: str, shape: dict, quant, pool=None):
+    g = geometry(shape)
+    common = dict(batch_size=1, cache_size=g["cache_size"], num_heads=shape["heads"], head_dim=shape["head_dim"],
+                  dtype=torch.bfloat16, device="cpu", sink_tokens=g["sink"], global_sink_tokens=g["sink"])
+    if kind == "dense":
+        return DenseCache(**common)
+    if kind == "segment-list":
+        return SegmentListCache(quant=quant, **common)
+    return PagedCausalKVCache(pool=pool, quant=quant, **common)
+
+
+def fill(cache, k, v, chunk: int, chunks: int) -> None:
+    for c in range(chunks):
+        s = c * chunk
+        cache.update_and_get_attention_kv(key=k[:, s : s + chunk], value=v[:, s : s + chunk], current_chunk_start=s)
+
+
+def bench_view(shape_name: str, quant_name: str, repeats: int) -> dict:
+    shape, quant = SHAPES[shape_name], QUANTS[quant_name]
+    g = geometry(shape)
+    chunks = shape["window_frames"] // shape["chunk_frames"] + 3  # window full, rolled at least twice
+    k, v = video_kv(chunks * shape["chunk_frames"], shape["tpf"], shape["heads"], shape["head_dim"], seed=0)
+    pool = BlockPool(capacity_bytes=1 << 30, page_bytes=1 << 20)
+    impls = {"pagedqvg": build("paged", shape, quant, pool), "segment-list": build("segment-list", shape, quant)}
+    if quant is None:
+        impls["dense"] = build("dense", shape, None)
+    row = {"shape": shape_name, "quant": quant_name}
+    s = (chunks - 1) * g["chunk"]
+    key, value = k[:, s : s + g["chunk"]], v[:, s : s + g["chunk"]]
+    for name, cache in impls.items():
+        fill(cache, k, v, g["chunk"], chunks)
+
+        def call(cache=cache):
+            return cache.update_and_get_attention_kv(key=key, value=value, current_chunk_start=s)
+
+        row[f"{name}_ms"] = median_time(call, repeats) * 1e3
+        with AllocationCounter() as counter:
+            out = call()
+        view_k = out.k if hasattr(out, "k") else out[0]
+        row[f"{name}_allocs"] = counter.count
+        row[f"{name}_alloc_bytes"] = counter.bytes
+        row["view_bytes"] = 2 * view_k.numel() * view_k.element_size()
+    return row
+
+
+def bench_host_overhead(repeats: int) -> dict:
+    """Tiny tensors: what each call costs on the host."""
+    shape = dict(heads=2, head_dim=8, tpf=4, chunk_frames=1, sink_frames=1, window_frames=6)
+    pool = BlockPool(capacity_bytes=1 << 20, page_bytes=4096)
+    k, v = video_kv(12, 4, 2, 8, seed=1)
+    row = {}
+    for name in ("dense", "pagedqvg", "pagedqvg-reuse-buffer"):
+        if name == "dense":
+            cache = build("dense", shape, None)
+        else:
+            cache = build("paged", shape, None, pool)
+            cache.reuse_view_buffer = name.endswith("buffer")
+        fill(cache, k, v, 4, 10)
+        key, value = k[:, 36:40], v[:, 36:40]
+
+        def call(cache=cache, key=key, value=value):
+            return cache.update_and_get_attention_kv(key=key, value=value, current_chunk_start=36)
+
+        row[f"{name}_us"] = median_time(lambda call=call: [call() for _ in range(100)], repeats) * 1e4
+        with AllocationCounter() as counter:
+            call()
+        row[f"{name}_allocs"] = counter.count
+    return row
+
+
+def bench_resident(chunks: int) -> list[dict]:
+    """Resident K/V bytes of one layer at the LingBot chunk size (4,680 tokens; heads scaled to 2: ratios per head
+    are the same as at 40 heads) over a run of `chunks` chunks, all three designs, exact."""
+    shape = dict(heads=2, head_dim=128, tpf=1560, chunk_frames=3, sink_frames=3, window_frames=18)
+    g = geometry(shape)
+    rows = []
+    k, v = video_kv(chunks * 3, 1560, 2, 128, seed=2)
+    for quant_name in ("int2", "int4"):
+        quant = QUANTS[quant_name]
+        pool = BlockPool(capacity_bytes=1 << 30, page_bytes=2 << 20)
+        paged = build("paged", shape, quant, pool)
+        seglist = build("segment-list", shape, quant)
+        dense = build("dense", shape, None)
+        peak = {"pagedqvg": 0, "segment-list": 0}
+        for c in range(chunks):
+            s = c * g["chunk"]
+            for cache in (paged, seglist):
+                cache.update_and_get_attention_kv(key=k[:, s : s + g["chunk"]], value=v[:, s : s + g["chunk"]],
+                                                  current_chunk_start=s)
+            peak["pagedqvg"] = max(peak["pagedqvg"], paged.resident_nbytes())
+            peak["segment-list"] = max(peak["segment-list"], seglist.resident_nbytes())
+        mb = paged.memory_breakdown()
+        rows.append({
+            "quant": quant_name, "chunks": chunks, "dense_bytes": dense.resident_nbytes(),
+            "pagedqvg_bytes": paged.resident_nbytes(), "pagedqvg_peak_bytes": peak["pagedqvg"],
+            "segment_list_bytes": seglist.resident_nbytes(), "segment_list_peak_bytes": peak["segment-list"],
+            "pagedqvg_packed_bytes": mb["packed_bytes"], "pagedqvg_dense_bytes": mb["dense_bytes"],
+            "packed_tokens": mb["packed_tokens"], "dense_tokens": mb["dense_tokens"],
+        })
+    return rows
+
+
+def markdown(results: dict) -> str:
+    lines = [f"Machine: {results['machine']}; torch {results['torch']}; {results['date']}", ""]
+    lines += ["### View build per layer call (a rewrite of the current chunk, steady state)", "",
+              "| shape | quant | pagedqvg ms | segment list ms | ratio | dense ms | ratio vs dense | "
+              "allocs (paged / seglist / dense) | allocated bytes per call (paged / seglist) | view bytes |",
+              "|---|---|---:|---:|---:|---:|---:|---|---|---:|"]
+    for r in results["view"]:
+        dense_ms = r.get("dense_ms")
+        lines.append(
+            f"| {r['shape']} | {r['quant']} | {r['pagedqvg_ms']:.2f} | {r['segment-list_ms']:.2f} | "
+            f"{r['pagedqvg_ms'] / r['segment-list_ms']:.2f}x | "
+            + (f"{dense_ms:.2f} | {r['pagedqvg_ms'] / dense_ms:.2f}x | " if dense_ms else "– | – | ")
+            + f"{r['pagedqvg_allocs']} / {r['segment-list_allocs']} / {r.get('dense_allocs', '–')} | "
+            f"{r['pagedqvg_alloc_bytes']:,} / {r['segment-list_alloc_bytes']:,} | {r['view_bytes']:,} |"
+        )
+    h = results["host"]
+    lines += ["", "### Host overhead per call, tiny tensors (B=1, 2 heads, head_dim 8, 4-token chunks)", "",
+              "| dense µs | pagedqvg µs | ratio | pagedqvg (reuse_view_buffer) µs | ratio | "
+              "allocs dense / paged / reuse |",
+              "|---:|---:|---:|---:|---:|---|",
+              f"| {h['dense_us']:.1f} | {h['pagedqvg_us']:.1f} | {h['pagedqvg_us'] / h['dense_us']:.2f}x | "
+              f"{h['pagedqvg-reuse-buffer_us']:.1f} | {h['pagedqvg-reuse-buffer_us'] / h['dense_us']:.2f}x | "
+              f"{h['dense_allocs']} / {h['pagedqvg_allocs']} / {h['pagedqvg-reuse-buffer_allocs']} |"]
+    lines += ["", "### Resident K/V bytes of one layer, LingBot chunk size (4,680 tokens), after the run (exact)", "",
+              "| quant | chunks | dense | pagedqvg | dense / pagedqvg | segment list | dense / segment list | "
+              "pagedqvg packed / bf16 bytes | packed / bf16 tokens |",
+              "|---|---:|---:|---:|---:|---:|---:|---|---|"]
+    for r in results["resident"]:
+        lines.append(
+            f"| {r['quant']} | {r['chunks']} | {r['dense_bytes']:,} | {r['pagedqvg_bytes']:,} | "
+            f"{r['dense_bytes'] / r['pagedqvg_bytes']:.2f}x | {r['segment_list_bytes']:,} | "
+            f"{r['dense_bytes'] / r['segment_list_bytes']:.2f}x | {r['pagedqvg_packed_bytes']:,} / "
+            f"{r['pagedqvg_dense_bytes']:,} | {r['packed_tokens']:,} / {r['dense_tokens']:,} |"
+        )
+    return "\n".join(lines) + "\n"
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--quick", action="store_true", help="fewer repeats and chunks (about a minute)")
+    ap.add_argument("--out", default=str(Path(__file__).resolve().parent / "results"))
+    args = ap.parse_args(argv)
+    torch.manual_seed(0)
+    repeats = 3 if args.quick else 7
+    results = {
+        "machine": f"{platform.machine()} {platform.processor() or ''} {torch.get_num_threads()} threads".strip(),
+        "torch": torch.__version__,
+        "date": datetime.now(timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
+        "view": [bench_view(s, q, repeats) for s in SHAPES for q in QUANTS],
+        "host": bench_host_overhead(repeats),
+        "resident": bench_resident(12 if args.quick else 60),
+    }
+    table = markdown(results)
+    print(table)
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "vs_baselines.md").write_text(table)
+    (out / "vs_baselines.json").write_text(json.dumps(results, indent=2))
+    print(f"wrote {out / 'vs_baselines.md'} and {out / 'vs_baselines.json'}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

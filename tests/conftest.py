@@ -1,0 +1,36 @@
+import os
+import sys
+
+from hypothesis import HealthCheck, settings
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+
+# Hypothesis profiles for the state-machine fuzz (tests/test_cache_fuzz.py).
+#   ci   (default): 140 examples x up to 50 steps; Hypothesis ends some programs early, measured ~42 steps per
+#         example -> ~6,000 state-machine steps for the main machine (~25 s on 2 cores).
+#   long: 1,200 examples x up to 200 steps, measured ~175 steps per example -> ~210,000 steps.
+#         Select with PAGEDQVG_FUZZ_PROFILE=long.
+settings.register_profile(
+    "ci",
+    max_examples=140,
+    stateful_step_count=50,
+    deadline=None,
+    suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large],
+)
+settings.register_profile(
+    "long",
+    max_examples=1200,
+    stateful_step_count=200,
+    deadline=None,
+    suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large],
+)
+# interp: the reduced budget of .ci/triton_suite.sh, which reruns the cache suites through the Triton interpreter
+#         (~10-30 ms per kernel call on 2 cores): 20 examples x 25 steps.
+settings.register_profile(
+    "interp",
+    max_examples=20,
+    stateful_step_count=25,
+    deadline=None,
+    suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large],
+)
+settings.load_profile(os.environ.get("PAGEDQVG_FUZZ_PROFILE", "ci"))
