@@ -204,9 +204,9 @@ class PagedCausalKVCache:
         self._tpp = self.layout.tokens_per_page
         self._rpp = self.layout.rows_per_page
         self._backend = kernel_backend(pool.device)
-        # Whole tokens per page: [num_pages, tokens_per_page, 2 (K/V), B, H, D] (slices of it are plain copies).
+        # Whole tokens per page as a K block then a V block: [num_pages, 2, tokens_per_page, B, H, D].
         self._tok = pool.pages_as(dtype)[:, : self._rpp * self._num_heads * self.head_dim].view(
-            pool.num_pages, self._tpp, 2, self.batch_size, self._num_heads, self.head_dim
+            pool.num_pages, 2, self._tpp, self.batch_size, self._num_heads, self.head_dim
         )
         self._packed: PackedStore | None = None
         if quant is not None and quant.enabled:
@@ -512,11 +512,12 @@ class PagedCausalKVCache:
         self._plans[key] = plan
         return plan
 
-    def _head_slice(self, page: int, a: int, b: int, h0: int, hin: int) -> torch.Tensor:
-        """Tokens `[a, b)` of a page as `[m, 2, B, Hin, D]` (a view of the arena)."""
-        if hin == self._num_heads:
-            return self._tok[page, a:b]
-        return self._tok[page, a:b, :, :, h0 : h0 + hin]
+    def _head_slice(self, page: int, a: int, b: int, h0: int, hin: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Token slots `[a, b)` of a page as K and V views of the arena, each `[m, B, Hin, D]`."""
+        block = self._tok[page, :, a:b]
+        if hin != self._num_heads:
+            block = block[:, :, :, h0 : h0 + hin]
+        return block[0], block[1]
 
     def _write_plan(self, s: int, e: int, h0: int, hin: int) -> tuple:
         """Cached destinations of a write of tokens `[s, e)`: `("d", [(k_view, v_view, offset, m)])` of arena views
@@ -528,8 +529,8 @@ class PagedCausalKVCache:
             if part[0] == "d":
                 items, o = [], 0
                 for page, a, b in part[1]:
-                    dst = self._head_slice(page, a, b, h0, hin)
-                    items.append((dst[:, 0], dst[:, 1], o, b - a))
+                    k_dst, v_dst = self._head_slice(page, a, b, h0, hin)
+                    items.append((k_dst, v_dst, o, b - a))
                     o += b - a
                 part = ("d", items)
             plan = self._remember(key, part)
@@ -545,7 +546,7 @@ class PagedCausalKVCache:
             for a, b in ranges:
                 for part in self._parts(self._map.to_global(a, min(b, L))):
                     if part[0] == "d":
-                        parts.extend(("s", self._head_slice(page, x, y, h0, hin), y - x) for page, x, y in part[1])
+                        parts.extend(("s", *self._head_slice(page, x, y, h0, hin), y - x) for page, x, y in part[1])
                     else:
                         parts.append(part)
                 if b > max(a, L):
@@ -575,15 +576,22 @@ class PagedCausalKVCache:
         if len(parts) == 1 and parts[0][0] == "i":
             view_build(self._rows, parts[0][1], parts[0][2], h0, hin, out)
             return
-        out_t = out.permute(2, 0, 1, 3, 4)  # [T, 2, B, Hin, D]
-        if len(parts) == 1 and parts[0][0] == "s":
-            out_t.copy_(parts[0][1])
+        out_k, out_v = out[0].transpose(0, 1), out[1].transpose(0, 1)  # [T, B, Hin, D] (contiguous when B == 1)
+        if all(part[0] == "s" for part in parts):  # dense pages only: K and V each one copy / concatenation
+            if len(parts) == 1:
+                out_k.copy_(parts[0][1])
+                out_v.copy_(parts[0][2])
+            else:
+                torch.cat([part[1] for part in parts], 0, out=out_k)
+                torch.cat([part[2] for part in parts], 0, out=out_v)
             return
+        out_t = out.permute(2, 0, 1, 3, 4)  # [T, 2, B, Hin, D]
         o = 0
         for part in parts:
             kind, m = part[0], part[-1]
             if kind == "s":
-                out_t[o : o + m].copy_(part[1])
+                out_k[o : o + m].copy_(part[1])
+                out_v[o : o + m].copy_(part[2])
             elif kind == "z":
                 out_t[o : o + m].zero_()
             elif kind == "i":
@@ -602,23 +610,22 @@ class PagedCausalKVCache:
             page_fill(self._rows, p, sl, 0.0)
             return
         for page, a, b in page_pieces(entry.value.pages, self._tpp, lo - entry.start, hi - entry.start):
-            self._tok[page, a:b].zero_()
+            self._tok[page, :, a:b].zero_()
 
     def _new_dense_segment(self, tokens: int) -> Segment:
         return Segment(self.pool.alloc(self.layout.pages_for_tokens(tokens), self.owner))
 
     def _read_dense(self, entry: RangeEntry[Segment]) -> torch.Tensor:
-        """All tokens of a dense segment as `[n, 2, B, H, D]` (a temporary)."""
-        pieces = [
-            self._tok[p, a:b] for p, a, b in page_pieces(entry.value.pages, self._tpp, 0, entry.end - entry.start)
-        ]
-        return pieces[0].clone() if len(pieces) == 1 else torch.cat(pieces)
+        """All tokens of a dense segment as `[2, n, B, H, D]` (a temporary)."""
+        n = entry.end - entry.start
+        pieces = [self._tok[p, :, a:b] for p, a, b in page_pieces(entry.value.pages, self._tpp, 0, n)]
+        return pieces[0].clone() if len(pieces) == 1 else torch.cat(pieces, dim=1)
 
     def _store_dense(self, entry: RangeEntry[Segment], data: torch.Tensor) -> None:
         """Write `[n, 2, B, H, D]` into a dense segment's pages."""
         o = 0
         for page, a, b in page_pieces(entry.value.pages, self._tpp, 0, entry.end - entry.start):
-            self._tok[page, a:b].copy_(data[o : o + b - a])
+            self._tok[page, :, a:b].copy_(data[o : o + b - a].transpose(0, 1))
             o += b - a
 
     def _packed_net_pages(self, entry: RangeEntry[Segment]) -> int:
@@ -765,6 +772,13 @@ class PagedCausalKVCache:
             r = _as_index("recent_window_tokens", recent_window_tokens, self.debug_name)
             if r < 0:
                 raise ValueError(f"{self.debug_name}: recent_window_tokens={r} is negative (valid: None or >= 0)")
+        fast_key = (self._version, "call", s, n, h0, hin, r)
+        fast = self._plans.get(fast_key)
+        if fast is not None:  # the same in-place rewrite as before (a later denoise step): plans are all cached
+            ls, le, write_plan, ranges, parts, tokens = fast
+            self._write(write_plan, h0, key, value)
+            self._last_view_ranges = ranges
+            return self._finish_view(parts, tokens, h0, hin, ls, le)
         plan = self._plan(s, n)
         e = s + n
         pool = self.pool
@@ -811,7 +825,8 @@ class PagedCausalKVCache:
 
         for x in touched:
             x.value.pack_failed = False  # new values: the policy may try again
-        self._write(self._write_plan(s, e, h0, hin), h0, key, value)
+        write_plan = self._write_plan(s, e, h0, hin)
+        self._write(write_plan, h0, key, value)
 
         ranges = view_slot_ranges(
             local_end=self._L,
@@ -825,13 +840,18 @@ class PagedCausalKVCache:
         )
         self._last_view_ranges = ranges
         parts, tokens = self._view_plan(ranges, h0, hin)
+        if not plan.new_tokens and not plan.unpack_entries:
+            self._remember(fast_key, (plan.ls, plan.le, write_plan, ranges, parts, tokens))
+        return self._finish_view(parts, tokens, h0, hin, plan.ls, plan.le)
+
+    def _finish_view(self, parts: list[tuple], tokens: int, h0: int, hin: int, ls: int, le: int):
         shape = (2, self.batch_size, tokens, hin, self.head_dim)
         if self.reuse_view_buffer:
             out = self.pool.view_buffer(2 * self.batch_size * tokens * hin * self.head_dim, self.dtype).view(shape)
         else:
             out = torch.empty(shape, dtype=self.dtype, device=self.device)
         self._build_view(parts, h0, hin, out)
-        return CausalAttentionKVView(out[0], out[1], plan.ls, plan.le, self._L, self._G)
+        return CausalAttentionKVView(out[0], out[1], ls, le, self._L, self._G)
 
     # ------------------------------------------------------------ other calls
     def pin_current_chunk(self, num_tokens: int) -> None:

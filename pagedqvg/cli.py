@@ -29,11 +29,20 @@ PLAN_SCHEMA = "pagedqvg.plan/1"
 DEFAULT_OUT_DIR = "./pagedqvg-out"
 
 _SIZE_UNITS = {
-    "": 1, "b": 1,
-    "k": 1 << 10, "kib": 1 << 10, "kb": 10**3,
-    "m": 1 << 20, "mib": 1 << 20, "mb": 10**6,
-    "g": 1 << 30, "gib": 1 << 30, "gb": 10**9,
-    "t": 1 << 40, "tib": 1 << 40, "tb": 10**12,
+    "": 1,
+    "b": 1,
+    "k": 1 << 10,
+    "kib": 1 << 10,
+    "kb": 10**3,
+    "m": 1 << 20,
+    "mib": 1 << 20,
+    "mb": 10**6,
+    "g": 1 << 30,
+    "gib": 1 << 30,
+    "gb": 10**9,
+    "t": 1 << 40,
+    "tib": 1 << 40,
+    "tb": 10**12,
 }
 
 
@@ -95,8 +104,11 @@ def _fraction(text: str) -> float:
 
 # ---------------------------------------------------------------------------------------------------- parser
 _QUANT_FLAGS: tuple[tuple[str, str, dict], ...] = (
-    ("--kv-cache-quant", "quantization of completed chunks: off, int4 or int2 (default off)",
-     {"choices": ("off", "int4", "int2")}),
+    (
+        "--kv-cache-quant",
+        "quantization of completed chunks: off, int4 or int2 (default off)",
+        {"choices": ("off", "int4", "int2")},
+    ),
     ("--kv-cache-quant-centroids", "k-means centroids per (head, stage), 1..256 (default 128)", {}),
     ("--kv-cache-quant-block-size", "channels per fp8 scale; divides head_dim (default 64)", {}),
     ("--kv-cache-quant-stages", "residual k-means stages (default 1)", {}),
@@ -106,15 +118,19 @@ _QUANT_FLAGS: tuple[tuple[str, str, dict], ...] = (
     ("--kv-cache-quant-asymmetric", "per-block scale and zero (default false)", {"nargs": "?", "const": "true"}),
     ("--kv-cache-quant-sink", "pack sink chunks too (default true)", {"nargs": "?", "const": "true"}),
     ("--kv-cache-quant-seed", "k-means seed (default 1234)", {}),
-    ("--kv-cache-quant-pack-trits", "pack symmetric int2 codes 5 per byte (default false)",
-     {"nargs": "?", "const": "true"}),
+    (
+        "--kv-cache-quant-pack-trits",
+        "pack symmetric int2 codes 5 per byte (default false)",
+        {"nargs": "?", "const": "true"},
+    ),
 )
 
 
 def _add_common(p: argparse.ArgumentParser, default_preset: str) -> None:
     g = p.add_argument_group("workload (every field overrides the preset)")
-    g.add_argument("--preset", choices=sorted(PRESETS), default=default_preset,
-                   help=f"model preset (default {default_preset})")
+    g.add_argument(
+        "--preset", choices=sorted(PRESETS), default=default_preset, help=f"model preset (default {default_preset})"
+    )
     g.add_argument("--layers", type=_int(1), help="transformer layers (one cache each)")
     g.add_argument("--heads", type=_int(1), help="K/V heads per layer")
     g.add_argument("--head-dim", type=_int(1), help="channels per head")
@@ -124,10 +140,18 @@ def _add_common(p: argparse.ArgumentParser, default_preset: str) -> None:
     g.add_argument("--window-frames", type=_int(1), help="rolling window in frames, the current chunk included")
     g.add_argument("--sink-tokens", type=_int(0), help="sink tokens S (default sink-frames x tokens-per-frame)")
     g.add_argument("--global-sink-tokens", type=_int(0), help="global sink tokens GS (default S or 0, per preset)")
-    g.add_argument("--cache-size", type=_int(1), dest="cache_size_tokens",
-                   help="cache_size C in tokens (default max(S, GS) + window)")
-    g.add_argument("--attention-window", type=_int(0), dest="attention_window_tokens",
-                   help="attention_window_size W in tokens (default 0 = C)")
+    g.add_argument(
+        "--cache-size",
+        type=_int(1),
+        dest="cache_size_tokens",
+        help="cache_size C in tokens (default max(S, GS) + window)",
+    )
+    g.add_argument(
+        "--attention-window",
+        type=_int(0),
+        dest="attention_window_tokens",
+        help="attention_window_size W in tokens (default 0 = C)",
+    )
     g.add_argument("--scene-cut-every", type=_int(0), help="pin the current chunk every N chunks (0: never)")
     g.add_argument("--denoise-steps", type=_int(1), help="denoise steps per chunk (calls = steps + 1 clean pass)")
     g.add_argument("--batch-size", type=_int(1), help="batch size")
@@ -137,8 +161,13 @@ def _add_common(p: argparse.ArgumentParser, default_preset: str) -> None:
     g.add_argument("--chunks", type=_int(1), help="chunks to simulate (default 20)")
     q = p.add_argument_group("quantization (SGLang flag names)")
     for flag, help_text, extra in _QUANT_FLAGS:
-        q.add_argument(flag, dest=flag.lstrip("-").replace("-", "_"), metavar=None if "choices" in extra else "V",
-                       help=help_text, **extra)
+        q.add_argument(
+            flag,
+            dest=flag.lstrip("-").replace("-", "_"),
+            metavar=None if "choices" in extra else "V",
+            help=help_text,
+            **extra,
+        )
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -172,22 +201,44 @@ def build_parser() -> argparse.ArgumentParser:
     )
     _add_common(sim, DEFAULT_SIMULATE_PRESET)
     sim.add_argument("--out", default=DEFAULT_OUT_DIR, help=f"output directory (default {DEFAULT_OUT_DIR}/)")
-    sim.add_argument("--dry-run", action="store_true",
-                     help="accounting only, at full size, without tensors (seconds on a CPU)")
+    sim.add_argument(
+        "--dry-run", action="store_true", help="accounting only, at full size, without tensors (seconds on a CPU)"
+    )
     sim.add_argument("--device", default="cpu", help="device of the pool and data: cpu or cuda (default cpu)")
     sim.add_argument("--seed", type=_int(0), default=0, help="seed of the synthetic K/V (default 0)")
     sim.add_argument("--json", action="store_true", help="print the summary as JSON")
     sim.add_argument("--no-plot", action="store_true", help="skip timeline.png")
-    sim.add_argument("--progress", action=argparse.BooleanOptionalAction, default=None,
-                     help="progress bar (default: when stderr is a terminal)")
+    sim.add_argument(
+        "--progress",
+        action=argparse.BooleanOptionalAction,
+        default=None,
+        help="progress bar (default: when stderr is a terminal)",
+    )
     sim.set_defaults(func=cmd_simulate)
     return parser
 
 
 # ---------------------------------------------------------------------------------------------------- workload
-_WORKLOAD_FLAGS = ("layers", "heads", "head_dim", "tokens_per_frame", "chunk_frames", "sink_frames", "window_frames",
-                   "sink_tokens", "global_sink_tokens", "cache_size_tokens", "attention_window_tokens",
-                   "scene_cut_every", "denoise_steps", "batch_size", "dtype", "page_bytes", "cache_sets", "chunks")
+_WORKLOAD_FLAGS = (
+    "layers",
+    "heads",
+    "head_dim",
+    "tokens_per_frame",
+    "chunk_frames",
+    "sink_frames",
+    "window_frames",
+    "sink_tokens",
+    "global_sink_tokens",
+    "cache_size_tokens",
+    "attention_window_tokens",
+    "scene_cut_every",
+    "denoise_steps",
+    "batch_size",
+    "dtype",
+    "page_bytes",
+    "cache_sets",
+    "chunks",
+)
 
 
 def workload_from_args(args: argparse.Namespace) -> Workload:
@@ -223,15 +274,23 @@ def _budget_fits(w: Workload, budget: int) -> list[dict[str, object]]:
     for geom in setting_geometries(w)[0]:
         lo = min_window_frames(geom, w.chunk_frames)
         frames = max_window_frames(geom, budget, lo)
-        row: dict[str, object] = {"mode": geom.quant.mode, "max_window_frames": frames,
-                                  "search_limited": frames == search_limit_frames(geom), "cache_size_tokens": None,
-                                  "budget_bytes": None, "pool_bytes": None, "min_window_frames": lo,
-                                  "min_budget_bytes": plan_geometry(geom.with_window_frames(lo),
-                                                                    replay=False).budget_bytes}
+        row: dict[str, object] = {
+            "mode": geom.quant.mode,
+            "max_window_frames": frames,
+            "search_limited": frames == search_limit_frames(geom),
+            "cache_size_tokens": None,
+            "budget_bytes": None,
+            "pool_bytes": None,
+            "min_window_frames": lo,
+            "min_budget_bytes": plan_geometry(geom.with_window_frames(lo), replay=False).budget_bytes,
+        }
         if frames is not None:
             p = plan_geometry(geom.with_window_frames(frames), replay=False)
-            row.update(cache_size_tokens=geom.with_window_frames(frames).cache_size, budget_bytes=p.budget_bytes,
-                       pool_bytes=p.pool_bytes)
+            row.update(
+                cache_size_tokens=geom.with_window_frames(frames).cache_size,
+                budget_bytes=p.budget_bytes,
+                pool_bytes=p.pool_bytes,
+            )
         rows.append(row)
     if all(r["max_window_frames"] is None for r in rows):
         best = min(rows, key=lambda r: int(r["min_budget_bytes"]))  # type: ignore[arg-type]
@@ -304,21 +363,54 @@ def format_plan(doc: dict[str, object]) -> str:
         + ", ".join(_segment_pages_text(s) for s in settings),
         "",
     ]
-    header = ("", "segments/layer", "pages/layer", "per layer", "all layers", "vs dense", "waste", "pool pages",
-              "budget needed")
+    header = (
+        "",
+        "segments/layer",
+        "pages/layer",
+        "per layer",
+        "all layers",
+        "vs dense",
+        "waste",
+        "pool pages",
+        "budget needed",
+    )
     rows = [header]
-    rows.append(("dense bf16 (reference)", "-", "-", format_bytes(g["dense_cache_bytes_per_layer"]),
-                 format_bytes(g["dense_cache_bytes_all_layers"]), "1.00x", "-", "-", "-"))
+    rows.append(
+        (
+            "dense bf16 (reference)",
+            "-",
+            "-",
+            format_bytes(g["dense_cache_bytes_per_layer"]),
+            format_bytes(g["dense_cache_bytes_all_layers"]),
+            "1.00x",
+            "-",
+            "-",
+            "-",
+        )
+    )
     for s in settings:
         per, allb = s["per_layer"], s["all_layers"]
         mark = " *" if s["mode"] == doc["selected"] else ""
         name = "paged bf16" if s["mode"] == "off" else f"paged {s['mode']}"
         waste = per["waste_bytes"] / per["bytes"] if per["bytes"] else 0.0
-        segs = (f"{per['bf16_segments']} bf16" if not per["packed_segments"]
-                else f"{per['bf16_segments']} bf16 + {per['packed_segments']} packed")
-        rows.append((name + mark, segs, _n(per["pages"]), format_bytes(per["bytes"]), format_bytes(allb["bytes"]),
-                     f"{s['ratio_vs_dense']:.2f}x", f"{100 * waste:.2f}%", _n(s["pool_pages"]),
-                     format_bytes(s["budget_bytes"])))
+        segs = (
+            f"{per['bf16_segments']} bf16"
+            if not per["packed_segments"]
+            else f"{per['bf16_segments']} bf16 + {per['packed_segments']} packed"
+        )
+        rows.append(
+            (
+                name + mark,
+                segs,
+                _n(per["pages"]),
+                format_bytes(per["bytes"]),
+                format_bytes(allb["bytes"]),
+                f"{s['ratio_vs_dense']:.2f}x",
+                f"{100 * waste:.2f}%",
+                _n(s["pool_pages"]),
+                format_bytes(s["budget_bytes"]),
+            )
+        )
     widths = [max(len(r[i]) for r in rows) for i in range(len(header))]
     for r in rows:
         lines.append("  " + "  ".join(c.ljust(widths[0]) if i == 0 else c.rjust(widths[i]) for i, c in enumerate(r)))
@@ -340,14 +432,18 @@ def format_plan(doc: dict[str, object]) -> str:
         for r in budget["fits"]:
             name = "bf16" if r["mode"] == "off" else r["mode"]
             if r["max_window_frames"] is None:
-                lines.append(f"    {name:<5} does not fit: even {r['min_window_frames']} frames need "
-                             f"{format_bytes(r['min_budget_bytes'])}")
+                lines.append(
+                    f"    {name:<5} does not fit: even {r['min_window_frames']} frames need "
+                    f"{format_bytes(r['min_budget_bytes'])}"
+                )
             else:
                 at_least = ">=" if r["search_limited"] else "  "
-                lines.append(f"    {name:<5} {at_least}{r['max_window_frames']:>6} frames (C = "
-                             f"{_n(r['cache_size_tokens'])} slots): needs {format_bytes(r['budget_bytes'])} "
-                             f"(pool {format_bytes(r['pool_bytes'])})"
-                             + ("; the search stops there" if r["search_limited"] else ""))
+                lines.append(
+                    f"    {name:<5} {at_least}{r['max_window_frames']:>6} frames (C = "
+                    f"{_n(r['cache_size_tokens'])} slots): needs {format_bytes(r['budget_bytes'])} "
+                    f"(pool {format_bytes(r['pool_bytes'])})"
+                    + ("; the search stops there" if r["search_limited"] else "")
+                )
     return "\n".join(lines)
 
 
@@ -404,30 +500,48 @@ def format_summary(s: dict[str, object]) -> str:
     row("used (rows)", "used_bytes", "used_bytes")
     row("waste", "waste_bytes", "waste_bytes")
     row("transient view (max)", "max_view_bytes", "transient_view_bytes")
-    rows.append(("bf16 / packed segments", f"{format_bytes(int(m['bf16_bytes']))} / "
-                 f"{format_bytes(int(m['packed_bytes']))}", "", ""))
+    rows.append(
+        (
+            "bf16 / packed segments",
+            f"{format_bytes(int(m['bf16_bytes']))} / {format_bytes(int(m['packed_bytes']))}",
+            "",
+            "",
+        )
+    )
     rows.append(("dense bf16 cache (reference)", "", format_bytes(int(p["dense_bf16_bytes"])), ""))
     widths = [max(len(r[i]) for r in rows) for i in range(4)]
     for r in rows:
         lines.append("  " + "  ".join(c.ljust(widths[0]) if i == 0 else c.rjust(widths[i]) for i, c in enumerate(r)))
     if a["checked"]:
         verdict = "agree" if a["ok"] else "DISAGREE"
-        lines.append(f"  measured vs plan: {verdict} (steady state {100 * a['steady_state_rel_diff']:.3f}%, "
-                     f"high-water {100 * a['high_water_rel_diff']:.3f}%; tolerance {100 * a['tolerance']:g}%)")
+        lines.append(
+            f"  measured vs plan: {verdict} (steady state {100 * a['steady_state_rel_diff']:.3f}%, "
+            f"high-water {100 * a['high_water_rel_diff']:.3f}%; tolerance {100 * a['tolerance']:g}%)"
+        )
     else:
-        lines.append(f"  measured vs plan: not checked, {s['chunks']} chunks do not reach the steady state "
-                     f"(plan: {p['warmup_chunks']} chunks); use --chunks {p['warmup_chunks']} or more")
+        lines.append(
+            f"  measured vs plan: not checked, {s['chunks']} chunks do not reach the steady state "
+            f"(plan: {p['warmup_chunks']} chunks); use --chunks {p['warmup_chunks']} or more"
+        )
     acc = s.get("accounting")
     if isinstance(acc, dict):
-        lines.append(f"  call by call vs the accounting replay: {acc['calls_compared'] - acc['mismatches']}/"
-                     f"{acc['calls_compared']} calls identical" + (f"; first: {acc['first_mismatch']}"
-                                                                  if acc["mismatches"] else ""))
+        lines.append(
+            f"  call by call vs the accounting replay: {acc['calls_compared'] - acc['mismatches']}/"
+            f"{acc['calls_compared']} calls identical"
+            + (f"; first: {acc['first_mismatch']}" if acc["mismatches"] else "")
+        )
     plan_only = s.get("plan_only")
     if plan_only:
         assert isinstance(plan_only, list)
-        lines.append("  packed (plan only): " + "; ".join(
-            f"{q['mode']} steady state {format_bytes(int(q['steady_state_bytes']))} ({q['ratio_vs_dense']:.2f}x "
-            "vs dense)" for q in plan_only) + "  (rerun with --kv-cache-quant int2 to measure)")
+        lines.append(
+            "  packed (plan only): "
+            + "; ".join(
+                f"{q['mode']} steady state {format_bytes(int(q['steady_state_bytes']))} ({q['ratio_vs_dense']:.2f}x "
+                "vs dense)"
+                for q in plan_only
+            )
+            + "  (rerun with --kv-cache-quant int2 to measure)"
+        )
     outs = s.get("outputs") or {}
     assert isinstance(outs, dict)
     for key, label in (("timeline_json", "timeline"), ("timeline_png", "plot")):
@@ -450,8 +564,11 @@ def cmd_simulate(args: argparse.Namespace) -> int:
         plan = plan_geometry(geom)
         sim.check_fits(geom, args.device, plan.pool_bytes)
         timeline = sim.run_caches(geom, w, device=args.device, seed=args.seed, progress=args.progress)
-        measured = geom if timeline.quant_mode == geom.quant.mode else Geometry.from_workload(
-            w, setting_quant(geom.quant, None))
+        measured = (
+            geom
+            if timeline.quant_mode == geom.quant.mode
+            else Geometry.from_workload(w, setting_quant(geom.quant, None))
+        )
         accounting = sim.run_accounting(measured, w.chunks, progress=False)
     outputs = {"timeline_json": str(out_dir / "timeline.json")}
     plot = not args.no_plot

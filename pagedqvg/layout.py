@@ -4,15 +4,13 @@ A segment's storage is one or more *row regions*. A region is `rows` fixed-size 
 over its own pages: row `r` sits in page `pages[r // rows_per_page]` at byte `(r % rows_per_page) * row_bytes`,
 with `rows_per_page = page_bytes // row_bytes` (the tail of each page that cannot hold a whole row is waste).
 
-Dense (unquantized) segments hold one region of token rows. A token row is one token of one batch element of K or
-V: `num_heads * head_dim` values of the cache dtype. Rows are token-major, so a segment of `n` tokens and batch `B`
-has `2 * B * n` rows and row `(t * 2 + kv) * B + b` holds token `t` (0-based in the segment), `kv` (0 = K, 1 = V),
-batch `b`. Token-major order lets a truncated segment (rewind) give back its trailing pages.
-
-A token never straddles two pages: a page holds `tokens_per_page = (page_bytes // row_bytes) // (2 * B)` whole
-tokens (`rows_per_page = 2 * B * tokens_per_page`), so token `t` of a segment lives in page
-`pages[t // tokens_per_page]` and the tokens of one page form one contiguous `[tokens, 2, B, H, D]` block that torch
-can copy as a slice.
+Dense (unquantized) segments hold token rows. A token row is one token of one batch element of K or V:
+`num_heads * head_dim` values of the cache dtype. A page holds `tokens_per_page = (page_bytes // row_bytes) // (2 * B)`
+whole tokens (a token never straddles two pages) as a K block then a V block, each `[tokens_per_page, B, H, D]`:
+`rows_per_page = 2 * B * tokens_per_page` rows, row `kv * tokens_per_page * B + (t % tokens_per_page) * B + b` of
+page `pages[t // tokens_per_page]` holds token `t` of the segment (0-based), `kv` (0 = K, 1 = V), batch `b`.
+So the K (or V) rows of consecutive tokens in one page are one contiguous block that torch copies as a slice, and a
+truncated segment (rewind) gives back its trailing pages.
 """
 
 from __future__ import annotations
@@ -24,7 +22,7 @@ import torch
 
 def dtype_itemsize(dtype: torch.dtype) -> int:
     """Bytes per element of `dtype`."""
-    return torch.empty((), dtype=dtype).element_size()
+    return dtype.itemsize
 
 
 @dataclass(frozen=True, slots=True)
@@ -101,8 +99,9 @@ class DenseTokenLayout:
 class PackedSegmentLayout:
     """Layout of a PRQ-packed segment: two row regions, each on its own pages, token pages first.
 
-    - token region: `2 * B * n` packed token rows of `token_row_bytes` (pagedqvg/quant/format.py), token-major
-      like dense rows: row `(t * 2 + kv) * B + b`; whole tokens per page, as for dense rows.
+    - token region: `2 * B * n` packed token rows of `token_row_bytes` (pagedqvg/quant/format.py), whole tokens
+      per page, token-major: row `(t % tokens_per_page) * 2 * B + kv * B + b` of page `pages[t // tokens_per_page]`
+      (K and V of a token side by side: dequantization reads both at once).
     - codebook region: `2 * B * codebook_rows` rows of `codebook_row_bytes` (one (head, stage) centroid table
       each): row `(kv * B + b) * codebook_rows + head * stages + stage`.
     """

@@ -52,13 +52,13 @@ class PackedStore:
 
     # ------------------------------------------------------------------ pack
     def quantize(self, dense: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """Dense K/V `[n, 2, B, H, D]` → (token rows uint8 `[n, 2, B, row_bytes]`, codebook rows uint8
+        """Dense K/V `[2, n, B, H, D]` → (token rows uint8 `[n, 2, B, row_bytes]`, codebook rows uint8
         `[2*B*H*stages, codebook_row_bytes]` in (kv, b, h, stage) order). Every (kv, batch, head) gets its own
         codebooks. Raises ValueError on non-finite values (nothing is written)."""
-        n, _, B, H, D = dense.shape
+        _, n, B, H, D = dense.shape
         tok_parts, cb_parts = [], []
         for kv in range(2):
-            seg = prq_quantize(dense[:, kv].reshape(n, B * H, D), self.cfg)
+            seg = prq_quantize(dense[kv].reshape(n, B * H, D), self.cfg)
             tok_parts.append(seg.token_rows.view(n, B, -1))
             cb_parts.append(self.fmt_batch.pack_codebooks(seg.codebooks))
         return torch.stack(tok_parts, dim=1), torch.cat(cb_parts, dim=0)

@@ -200,14 +200,31 @@ class Geometry:
 
 def check_workload(w: Workload) -> None:
     """ValueError naming the first field of `w` that is out of range (sizes must be positive)."""
-    positive = ("layers", "heads", "head_dim", "tokens_per_frame", "chunk_frames", "window_frames",
-                "denoise_steps", "batch_size", "page_bytes", "cache_sets", "chunks")
+    positive = (
+        "layers",
+        "heads",
+        "head_dim",
+        "tokens_per_frame",
+        "chunk_frames",
+        "window_frames",
+        "denoise_steps",
+        "batch_size",
+        "page_bytes",
+        "cache_sets",
+        "chunks",
+    )
     for name in positive:
         value = getattr(w, name)
         if isinstance(value, bool) or not isinstance(value, int) or value < 1:
             raise ValueError(f"{name.replace('_', '-')} must be a positive int, got {value!r}")
-    for name in ("sink_frames", "scene_cut_every", "sink_tokens", "global_sink_tokens", "cache_size_tokens",
-                 "attention_window_tokens"):
+    for name in (
+        "sink_frames",
+        "scene_cut_every",
+        "sink_tokens",
+        "global_sink_tokens",
+        "cache_size_tokens",
+        "attention_window_tokens",
+    ):
         value = getattr(w, name)
         if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 0):
             raise ValueError(f"{name.replace('_', '-')} must be an int >= 0, got {value!r}")
@@ -416,8 +433,7 @@ class Call:
 
 
 def is_scene_cut(chunk: int, every: int) -> bool:
-    """Whether chunk `chunk` (0-based) is pinned after its clean pass: `every > 0 and chunk > 0 and chunk % every == 0`.
-    """
+    """Whether 0-based chunk `chunk` is pinned after its clean pass: every > 0, chunk > 0, chunk % every == 0."""
     return every > 0 and chunk > 0 and chunk % every == 0
 
 

@@ -95,8 +95,17 @@ class _Totals:
         self.per[cache] = (bf16_pages, packed_pages, used)
 
 
-def _record(i: int, c: Call, used_pages: int, page_bytes: int, used: int, high_water_pages: int, totals: _Totals,
-            view_tokens: int, geom: Geometry) -> dict[str, object]:
+def _record(
+    i: int,
+    c: Call,
+    used_pages: int,
+    page_bytes: int,
+    used: int,
+    high_water_pages: int,
+    totals: _Totals,
+    view_tokens: int,
+    geom: Geometry,
+) -> dict[str, object]:
     held = used_pages * page_bytes
     return {
         "call": i,
@@ -133,8 +142,14 @@ def _progress(total: int, enabled: bool | None, desc: str):
         from tqdm import tqdm
     except ImportError:  # the `cli` extra is not installed
         return _NoBar()
-    return tqdm(total=total, unit="call", desc=desc, disable=(None if enabled is None else not enabled),
-                dynamic_ncols=True, leave=False)
+    return tqdm(
+        total=total,
+        unit="call",
+        desc=desc,
+        disable=(None if enabled is None else not enabled),
+        dynamic_ncols=True,
+        leave=False,
+    )
 
 
 def count_calls(geom: Geometry, chunks: int) -> int:
@@ -162,8 +177,9 @@ def run_accounting(geom: Geometry, chunks: int, *, progress: bool | None = False
                 layer.pin()
             else:
                 view = layer.rewrite()
-            out.records.append(_record(i, c, counter.used, geom.page_bytes, totals.used, counter.high_water, totals,
-                                       view, geom))
+            out.records.append(
+                _record(i, c, counter.used, geom.page_bytes, totals.used, counter.high_water, totals, view, geom)
+            )
             bar.update()
     out.seconds = time.perf_counter() - t0
     out.pool_capacity_bytes = counter.high_water * geom.page_bytes
@@ -196,8 +212,15 @@ def chunk_kv(geom: Geometry, chunk_frames: int, chunk: int, seed: int, device: t
     """Synthetic K and V of chunk `chunk`, `[B, n, H, D]` in the cache dtype on `device`."""
     from .synthetic import video_kv
 
-    k, v = video_kv(chunk_frames, geom.tokens_per_frame, geom.heads, geom.head_dim, batch=geom.batch_size,
-                    seed=seed + chunk, dtype=geom.dtype)
+    k, v = video_kv(
+        chunk_frames,
+        geom.tokens_per_frame,
+        geom.heads,
+        geom.head_dim,
+        batch=geom.batch_size,
+        seed=seed + chunk,
+        dtype=geom.dtype,
+    )
     return k.to(device), v.to(device)
 
 
@@ -225,8 +248,9 @@ def run_caches(
     try:
         caches = make_caches(geom, pool, quant)
     except NotImplementedError:
-        note = (f"the cache does not support quantization yet: ran bf16; {geom.quant.mode} figures are from the "
-                f"plan only")
+        note = (
+            f"the cache does not support quantization yet: ran bf16; {geom.quant.mode} figures are from the plan only"
+        )
         caches = make_caches(geom, pool, None)
         quant = None
     mode = quant.mode if quant is not None else "off"
@@ -244,8 +268,7 @@ def run_caches(
                 cache = caches[c.cache]
                 if c.chunk != current:
                     current = c.chunk
-                    kv = data(c.chunk) if data is not None else chunk_kv(geom, chunk_frames, c.chunk, seed,
-                                                                        pool.device)
+                    kv = data(c.chunk) if data is not None else chunk_kv(geom, chunk_frames, c.chunk, seed, pool.device)
                 view_tokens = 0
                 if c.op == "pin":
                     cache.pin_current_chunk(n)
@@ -258,8 +281,9 @@ def run_caches(
                         bf16, packed = _pages_by_kind(cache)
                         totals.update(c.cache, bf16, packed, 0)
                 st = pool.stats()
-                rec = _record(i, c, st.used_pages, st.page_bytes, st.used_bytes, st.high_water_pages, totals,
-                              view_tokens, geom)
+                rec = _record(
+                    i, c, st.used_pages, st.page_bytes, st.used_bytes, st.high_water_pages, totals, view_tokens, geom
+                )
                 out.records.append(rec)
                 bar.update()
         if pool.device.type == "cuda":
@@ -295,15 +319,23 @@ def compare_records(a: Iterable[dict[str, object]], b: Iterable[dict[str, object
             mismatches += 1
             if not first:
                 first = f"call {ra['call']} ({ra['op']} chunk {ra['chunk']} cache {ra['cache']}): " + ", ".join(
-                    f"{k} {ra[k]} != {rb[k]}" for k in bad)
+                    f"{k} {ra[k]} != {rb[k]}" for k in bad
+                )
     return compared, mismatches, first
 
 
-def summarize(w: Workload, geom: Geometry, timeline: Timeline, *, accounting: Timeline | None = None,
-              outputs: dict[str, str] | None = None) -> dict[str, object]:
+def summarize(
+    w: Workload,
+    geom: Geometry,
+    timeline: Timeline,
+    *,
+    accounting: Timeline | None = None,
+    outputs: dict[str, str] | None = None,
+) -> dict[str, object]:
     """The run's summary (JSON-ready): measured vs plan, the accounting check, plan-only packed figures."""
-    measured_geom = geom if timeline.quant_mode == geom.quant.mode else Geometry.from_workload(
-        w, setting_quant(geom.quant, None))
+    measured_geom = (
+        geom if timeline.quant_mode == geom.quant.mode else Geometry.from_workload(w, setting_quant(geom.quant, None))
+    )
     plan = plan_geometry(measured_geom, replay=True)
     recs = timeline.records
     ends = chunk_end_records(recs)
@@ -366,12 +398,14 @@ def summarize(w: Workload, geom: Geometry, timeline: Timeline, *, accounting: Ti
             except ValueError:
                 continue  # this mode cannot work with the shape (e.g. block size vs head_dim)
             p = plan_geometry(g, replay=True)
-            summary["plan_only"].append({
-                "mode": p.mode,
-                "steady_state_bytes": p.all_bytes,
-                "high_water_bytes": p.pool_bytes,
-                "ratio_vs_dense": p.dense_bytes / p.bytes if p.bytes else None,
-            })
+            summary["plan_only"].append(
+                {
+                    "mode": p.mode,
+                    "steady_state_bytes": p.all_bytes,
+                    "high_water_bytes": p.pool_bytes,
+                    "ratio_vs_dense": p.dense_bytes / p.bytes if p.bytes else None,
+                }
+            )
     return summary
 
 
@@ -417,17 +451,29 @@ def plot_timeline(path: Path, summary: dict[str, object], timeline: Timeline) ->
         if key == "packed_bytes" and not any(ys):
             continue
         ax.plot(x, ys, label=label, color=color, linewidth=lw, linestyle="--" if key == "high_water_bytes" else "-")
-    ax.axhline(int(plan["steady_state_bytes"]) / scale, color="k", linestyle=":", linewidth=1.2,
-               label=f"plan steady state ({plan['mode']})")
-    ax.axhline(int(plan["dense_bf16_bytes"]) / scale, color="C5", linestyle="-.", linewidth=1.0,
-               label="dense bf16 cache (reference)")
+    ax.axhline(
+        int(plan["steady_state_bytes"]) / scale,
+        color="k",
+        linestyle=":",
+        linewidth=1.2,
+        label=f"plan steady state ({plan['mode']})",
+    )
+    ax.axhline(
+        int(plan["dense_bf16_bytes"]) / scale,
+        color="C5",
+        linestyle="-.",
+        linewidth=1.0,
+        label="dense bf16 cache (reference)",
+    )
     pins = [r["call"] for r in recs if r["op"] == "pin"]
     if pins:
         ax.vlines(pins, 0, peak / scale, colors="C6", alpha=0.35, linewidth=1.0, label="scene-cut pins")
     w = summary["workload"]
     assert isinstance(w, dict)
-    ax.set_title(f"pagedqvg simulate: {w['name']} ({timeline.engine}, quant {timeline.quant_mode}, "
-                 f"{w['layers']} layers x {w['chunks']} chunks)")
+    ax.set_title(
+        f"pagedqvg simulate: {w['name']} ({timeline.engine}, quant {timeline.quant_mode}, "
+        f"{w['layers']} layers x {w['chunks']} chunks)"
+    )
     ax.set_xlabel("call (advance, denoise rewrites, clean pass, pins; layer by layer)")
     ax.set_ylabel(f"bytes [{unit}]")
     ax.set_ylim(bottom=0)

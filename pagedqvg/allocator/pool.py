@@ -149,7 +149,7 @@ class BlockPool:
         """The arena as `[num_pages, page_bytes // itemsize]` of `dtype` (a view; no copy). O(1), cached."""
         view = self._typed.get(dtype)
         if view is None:
-            itemsize = torch.empty((), dtype=dtype).element_size()
+            itemsize = dtype.itemsize
             if self.page_bytes % itemsize:
                 raise ValueError(f"page_bytes={self.page_bytes} is not a multiple of {dtype}'s {itemsize} bytes")
             view = self.arena.view(dtype).view(self.num_pages, self.page_bytes // itemsize)
@@ -161,7 +161,7 @@ class BlockPool:
 
         Valid until the next call that asks for it; it grows (never shrinks) and lives outside the page budget.
         """
-        nbytes = numel * torch.empty((), dtype=dtype).element_size()
+        nbytes = numel * dtype.itemsize
         buf = self._view_buffer
         if buf is None or buf.numel() < nbytes:
             buf = torch.empty(max(nbytes, 1), dtype=torch.uint8, device=self.device)

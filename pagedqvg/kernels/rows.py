@@ -1,7 +1,8 @@
 """Row addressing shared by the torch references and the Triton kernels (no kernels here).
 
 A *row index* is a pair of int64 tensors `(page_idx, slot_idx)` of shape `[2, B, T]`: for K (0) and V (1), batch
-`b` and output token `t`, the page and the row slot inside the page that holds that token row (see layout.py).
+`b` and output token `t`, the page and the row slot inside the page that holds that token row (see layout.py: a page
+holds `tokens_per_page` whole tokens as a K block `[tokens_per_page, B]` of rows, then a V block of the same shape).
 """
 
 from __future__ import annotations
@@ -26,9 +27,13 @@ def segment_row_index(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Row index of tokens `[token_start, token_end)` of one dense segment whose pages are `pages_t` (int64).
 
-    `kv_batch` is the `[2, B, 1]` tensor `kv * B + b`. Returns `(page_idx, slot_idx)`, each `[2, B, n]`. O(B n).
+    `kv_batch` is the `[2, B, 1]` tensor `kv * B + b`; `rows_per_page = 2 * B * tokens_per_page`. Token `t` sits in
+    page `pages_t[t // tokens_per_page]`, row `kv * tokens_per_page * B + (t % tokens_per_page) * B + b`.
+    Returns `(page_idx, slot_idx)`, each `[2, B, n]`. O(B n).
     """
-    two_b = kv_batch.numel()
+    batch = kv_batch.shape[1]
+    tpp = rows_per_page // (2 * batch)
     t = torch.arange(token_start, token_end, device=pages_t.device, dtype=torch.int64)
-    rows = t * two_b + kv_batch
-    return pages_t[rows // rows_per_page], rows % rows_per_page
+    kv, b = kv_batch // batch, kv_batch % batch
+    slot = kv * (tpp * batch) + (t % tpp) * batch + b
+    return pages_t[t // tpp].expand_as(slot), slot
