@@ -11,6 +11,14 @@ Per-layer shapes (one layer's cache; bf16; batch 1 unless --batch):
 Segments are 3-frame chunks (one segment per appended chunk, as the cache stores them) on pool pages of
 --page-bytes; the view's row index is built exactly as the cache builds it (kernels/rows.py).
 
+Packed (PRQ) parts, per shape: the same view with every segment PRQ-packed (--quant, default int2 with 128
+centroids, block 64, 1 stage; one chunk quantized for real and its bytes replicated into every segment's scrambled
+pages), dequantized segment by segment from pool pages: `packed_view_build` = the Triton kernel (one launch per
+segment: K, V and all pieces) against the torch path of PackedStore (prq_dequantize per page piece), bytes = packed
+token rows + codebooks read + the view written. `kmeans_assign` = one k-means assignment of a chunk
+(S = chunk tokens, B*H heads, K centroids, fp32) against prq's torch `_assign`; it is compute-bound, its line also
+gives TFLOP/s (2*S*K*D per head); ids may differ only on rounding-level near-ties, which are verified in fp64.
+
 Bytes counted: a copy kernel reads and writes every element once, so bytes = 2 x (elements x itemsize), plus the
 row index it reads (16 B per token row). GB/s = bytes / median time (1 GB = 1e9 B); "% peak" is against
 --peak-gbps (4800 GB/s = H200 HBM3e). Every Triton result is checked bit for bit against torch before it is timed.
@@ -61,6 +69,14 @@ TINY = (
     Shape("tiny-b", 3, 24, 7, 3, 2, chunk_frames=2),
 )
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
+#: --quant: QuantConfig keyword arguments (centroids and block size are set from the shape and --centroids).
+QUANTS = {
+    "int2": {"bits": 2},
+    "int2-trits": {"bits": 2, "pack_trits": True},
+    "int4": {"bits": 4},
+    "int4-asym": {"bits": 4, "asymmetric": True},
+    "int2-2stages": {"bits": 2, "stages": 2},
+}
 
 
 @dataclass
@@ -88,6 +104,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--block-rows", type=int, default=None, help="override the Triton tile's rows (power of two)")
     p.add_argument("--block-cols", type=int, default=None, help="override the Triton tile's columns (power of two)")
     p.add_argument("--models", default=None, help="comma-separated subset of shape names")
+    p.add_argument("--quant", choices=sorted(QUANTS), default="int2", help="PRQ format of the packed parts")
+    p.add_argument("--centroids", type=int, default=None, help="k-means centroids (default 128; 8 with --tiny)")
+    p.add_argument("--no-packed", action="store_true", help="skip the packed view build and k-means parts")
     p.add_argument("--json", default=None, help="also write the results to this JSON file")
     return p.parse_args(argv)
 
@@ -230,6 +249,17 @@ def bench_shape(shape: Shape, args: argparse.Namespace, device: torch.device, dt
         same,
     )  # fmt: skip
 
+    # ---- packed (PRQ) view build and k-means assignment
+    packed = None
+    if not args.no_packed:
+        packed = PackedSetup(shape, args, device, dtype, setup.seg_tokens)
+        prow, pok = bench_packed(shape, args, device, dtype, packed)
+        results.extend(prow)
+        ok &= pok
+        krow, kok = bench_kmeans(shape, args, device)
+        results.extend(krow)
+        ok &= kok
+
     # ---- one compile per layer shape: views and chunks of other lengths reuse the compiled kernels
     if device.type == "cuda":
         before = (_compiled(_view_build_kernel, device), _compiled(_page_write_kernel, device))
@@ -246,7 +276,173 @@ def bench_shape(shape: Shape, args: argparse.Namespace, device: torch.device, dt
             f"  compiled kernels (view_build, page_write) before/after other lengths: {before} -> {after}"
             + ("  RECOMPILED" if recompiled else "  ok")
         )
+        if packed is not None:
+            from pagedqvg.kernels.triton_dequant import _packed_dequant_kernel
+
+            before = _compiled(_packed_dequant_kernel, device)
+            for t0, t1 in ((0, 1), (3, 20), (1, packed.seg_tokens[0] - 1)):
+                packed.run_segment(0, t0, t1, triton=True)
+            torch.cuda.synchronize(device)
+            after = _compiled(_packed_dequant_kernel, device)
+            recompiled = before != after and before is not None
+            ok &= not recompiled
+            print(
+                f"  compiled kernels (packed_dequant) before/after other ranges: {before} -> {after}"
+                + ("  RECOMPILED" if recompiled else "  ok")
+            )
     return results, ok
+
+
+class PackedSetup:
+    """The view's segments PRQ-packed in a pool of their own (pages scrambled), and the view they dequantize into."""
+
+    def __init__(self, shape: Shape, args, device: torch.device, dtype: torch.dtype, seg_tokens: list[int]):
+        from pagedqvg import BlockPool
+        from pagedqvg.kernels.dequant import piece_table
+        from pagedqvg.layout import PackedSegmentLayout
+        from pagedqvg.packing import PackedStore
+        from pagedqvg.quant import PackedFormat, QuantConfig, prq_quantize
+
+        B, H, D = args.batch, shape.heads, shape.head_dim
+        centroids = args.centroids or (8 if args.tiny else 128)
+        block = 64 if D % 64 == 0 else 8
+        self.cfg = QuantConfig(centroids=centroids, block_size=block, **QUANTS[args.quant])
+        page_bytes = args.page_bytes if args.page_bytes is not None else (2048 if args.tiny else 1 << 20)
+        self.piece_table = piece_table
+        self.seg_tokens = seg_tokens
+        self.device = device
+        # Quantize one chunk for real (K and V), then replicate its bytes into every segment.
+        n = max(seg_tokens)
+        gen = torch.Generator(device="cpu").manual_seed(2)
+        dense = torch.randn(2, n, B * H, D, generator=gen).to(device=device, dtype=dtype)
+        tok, cbs = [], []
+        for kv in range(2):
+            seg = prq_quantize(dense[kv], self.cfg)
+            tok.append(seg.token_rows.view(n, B, -1))
+            cbs.append(seg.codebooks.reshape(B * H * self.cfg.stages, centroids, D))
+        tok_rows, cb_rows = torch.stack(tok, dim=1), torch.cat(cbs)  # [n, 2, B, row], [2*B*H*stages, K, D]
+        fmt = PackedFormat(head_dim=D, num_heads=H, cfg=self.cfg, dtype=dtype)
+        layout = PackedSegmentLayout.from_format(B, fmt, page_bytes)
+        pages = sum(layout.pages_for_tokens(m) for m in seg_tokens)
+        self.pool = BlockPool(pages * page_bytes, page_bytes=page_bytes, device=device)
+        self.store = st = PackedStore(self.pool, B, H, D, dtype, self.cfg)
+        owner = self.pool.new_owner("bench-packed")
+        all_pages = self.pool.alloc(self.pool.num_pages, owner)
+        order = torch.randperm(len(all_pages), generator=torch.Generator().manual_seed(3)).tolist()
+        all_pages = [all_pages[i] for i in order]
+        self.segments = []  # (token pages, codebook pages, codebook pages tensor)
+        i = 0
+        for m in seg_tokens:
+            k, ntok = st.pages_for_tokens(m), st.token_pages(m)
+            tp, cp = all_pages[i : i + ntok], all_pages[i + ntok : i + k]
+            i += k
+            for page, first, count, o, _ in piece_table(tp, st.tpp, 0, m):
+                st.token_view[page, first : first + count].copy_(tok_rows[o : o + count])
+            for r in range(cb_rows.shape[0]):
+                st.codebook_rows[cp[r // st.cb_rpp], r % st.cb_rpp].copy_(cb_rows[r])
+            self.segments.append((tp, cp, torch.tensor(cp, dtype=torch.int64, device=device)))
+        self.pieces = [self._pieces(j, 0, m) for j, m in enumerate(seg_tokens)]
+        T = sum(seg_tokens)
+        self.out = torch.empty(2, B, T, H, D, dtype=dtype, device=device)
+        self.out_ref = torch.empty_like(self.out)
+        self.nbytes = (
+            T * 2 * B * fmt.token_row_bytes
+            + len(seg_tokens) * cb_rows.numel() * cb_rows.element_size()
+            + self.out.numel() * self.out.element_size()
+        )
+
+    def _pieces(self, j: int, t0: int, t1: int) -> torch.Tensor:
+        table = self.piece_table(self.segments[j][0], self.store.tpp, t0, t1)
+        return torch.tensor(table, dtype=torch.int64, device=self.device).view(-1, 5)
+
+    def run_segment(self, j: int, t0: int, t1: int, *, triton: bool) -> None:
+        from pagedqvg.kernels.dequant import packed_dequant_torch
+        from pagedqvg.kernels.triton_dequant import packed_dequant_triton
+
+        o = sum(self.seg_tokens[:j])
+        out = (self.out if triton else self.out_ref)[:, :, o : o + t1 - t0].permute(2, 0, 1, 3, 4)
+        fn = packed_dequant_triton if triton else packed_dequant_torch
+        st = self.store
+        fn(st.token_view, st.codebook_rows, self._pieces(j, t0, t1), self.segments[j][2], 0, out, st.fmt)
+
+    def view(self, *, triton: bool, tile_kw: dict) -> None:
+        """All segments of the view, one launch each (pieces precomputed: the kernel's cost only)."""
+        from pagedqvg.kernels.dequant import packed_dequant_torch
+        from pagedqvg.kernels.triton_dequant import packed_dequant_triton
+
+        st, o = self.store, 0
+        target = self.out if triton else self.out_ref
+        for j, m in enumerate(self.seg_tokens):
+            out = target[:, :, o : o + m].permute(2, 0, 1, 3, 4)
+            args = (st.token_view, st.codebook_rows, self.pieces[j], self.segments[j][2], 0, out, st.fmt)
+            if triton:
+                packed_dequant_triton(*args, **tile_kw)
+            else:
+                packed_dequant_torch(*args)
+            o += m
+
+
+def bench_packed(shape: Shape, args, device: torch.device, dtype: torch.dtype, ps: PackedSetup):
+    """Packed view build: Triton (one launch per segment) against the torch path; bit-identical check first."""
+    tile_kw = {"block_rows": args.block_rows, "block_cols": args.block_cols}
+    print(
+        f"  packed {args.quant} ({ps.cfg.centroids} centroids, block {ps.cfg.block_size}, {ps.cfg.stages} stage(s)): "
+        f"{ps.store.fmt.token_row_bytes} B token rows, {ps.store.tpp} tokens/page"
+    )
+    ps.view(triton=False, tile_kw=tile_kw)
+    ps.view(triton=True, tile_kw=tile_kw)
+    same = _bits_equal(ps.out, ps.out_ref)
+    T = sum(ps.seg_tokens)
+    pair = [
+        _measure(shape.name, "packed_view_build", "torch", T, ps.nbytes, partial(ps.view, triton=False,
+                 tile_kw=tile_kw), args, device),
+        _measure(shape.name, "packed_view_build", "triton", T, ps.nbytes, partial(ps.view, triton=True,
+                 tile_kw=tile_kw), args, device),
+    ]  # fmt: skip
+    _report(pair, same)
+    return pair, same
+
+
+def bench_kmeans(shape: Shape, args, device: torch.device):
+    """One k-means assignment of a chunk (fp32, B*H heads) against prq's torch `_assign`; near-ties verified."""
+    from pagedqvg.kernels.kmeans import distance_error_bound, kmeans_assign_torch
+    from pagedqvg.kernels.triton_kmeans import kmeans_assign_triton
+
+    heads, S, D = args.batch * shape.heads, shape.chunk_tokens, shape.head_dim
+    K = args.centroids or (8 if args.tiny else 128)
+    gen = torch.Generator(device="cpu").manual_seed(4)
+    x = torch.randn(heads, S, D, generator=gen).to(device)
+    x = x / (2 * x.abs().amax())
+    c = x[:, torch.randint(S, (K,), generator=gen).to(device)].contiguous()
+    ref = kmeans_assign_torch(x, c)
+    got = kmeans_assign_triton(x, c)
+    diff = got != ref
+    n_diff = int(diff.sum())
+    ok = True
+    if n_diff:  # differing ids must be rounding-level near-ties (checked in fp64, a head at a time)
+        for h in diff.any(dim=1).nonzero().flatten().tolist():
+            xh, ch = x[h : h + 1], c[h : h + 1]
+            d64 = (ch.double() ** 2).sum(-1)[:, None, :] - 2.0 * torch.bmm(xh.double(), ch.double().transpose(1, 2))
+            err = distance_error_bound(xh, ch)
+            a, b = got[h : h + 1, :, None], ref[h : h + 1, :, None]
+            gap = (d64.gather(2, a) - d64.gather(2, b)).abs()
+            ok &= bool((gap <= err.gather(2, a) + err.gather(2, b)).all())
+    nbytes = (x.numel() + c.numel()) * 4 + got.numel() * 8
+    pair = [
+        _measure(shape.name, "kmeans_assign", "torch", S, nbytes, partial(kmeans_assign_torch, x, c), args, device),
+        _measure(shape.name, "kmeans_assign", "triton", S, nbytes, partial(kmeans_assign_triton, x, c), args, device),
+    ]
+    for r in pair:
+        print(
+            f"  {r.kernel:<28} {r.backend:<6} {heads} heads x {S} tok x {K} centroids: {r.median_us:>10.1f} us "
+            f"{2 * heads * S * K * D / (r.median_us * 1e-6) / 1e12:>7.2f} TFLOP/s"
+        )
+    speed = pair[0].median_us / pair[1].median_us if pair[1].median_us > 0 else float("nan")
+    print(
+        f"  {'':<28} triton/torch speedup {speed:.2f}x; ids differing: {n_diff} of {got.numel()} "
+        f"({'none' if not n_diff else 'all rounding-level near-ties' if ok else 'NOT near-ties: MISMATCH'})"
+    )
+    return pair, ok
 
 
 class Setup:

@@ -586,6 +586,7 @@ class PagedCausalKVCache:
                 torch.cat([part[2] for part in parts], 0, out=out_v)
             return
         out_t = out.permute(2, 0, 1, 3, 4)  # [T, 2, B, Hin, D]
+        packed_runs: list[tuple[int, list[int], list[int], int, int]] = []
         o = 0
         for part in parts:
             kind, m = part[0], part[-1]
@@ -598,10 +599,12 @@ class PagedCausalKVCache:
                 out[:, :, o : o + m] = self._rows[:, :, h0 : h0 + hin][part[1], part[2]]
             else:
                 seg, t0, t1 = part[1], part[2], part[3]
-                assert self._packed is not None
                 n_tok = seg.n_token_pages
-                self._packed.dequantize_into(out_t[o : o + m], seg.pages[:n_tok], seg.pages[n_tok:], t0, t1, h0)
+                packed_runs.append((o, seg.pages[:n_tok], seg.pages[n_tok:], t0, t1))
             o += m
+        if packed_runs:  # every packed run of the view: one dequantization launch on the Triton backend
+            assert self._packed is not None
+            self._packed.dequantize_runs_into(out_t, packed_runs, h0)
 
     def _zero_tokens(self, entry: RangeEntry[Segment], lo: int, hi: int) -> None:
         """Every head of global tokens `[lo, hi)` of a dense segment := 0."""

@@ -4,6 +4,11 @@ Geometry comes from `layout.PackedSegmentLayout` and bytes from `quant.format.Pa
 moves rows between pages and the torch PRQ reference (`quant.prq`). Token pages are read as slices (whole tokens per
 page), so dequantizing a visible range needs no gather: one `prq_dequantize` per page piece, for K and V and every
 batch element and head at once (they are folded into `2 * B * H` heads, the order the rows are stored in).
+
+With the Triton backend (`kernels.kernel_backend`: CUDA, or PAGEDQVG_KERNELS=triton), `dequantize_into` instead
+describes the range as a piece table and makes one `packed_dequant` launch that reads token and codebook pages
+directly (kernels/dequant.py, kernels/triton_dequant.py); `dequantize_runs_into` does the same for the packed runs of
+several segments at once (one launch per view). The values are the same bits as the torch path.
 """
 
 from __future__ import annotations
@@ -11,6 +16,8 @@ from __future__ import annotations
 import torch
 
 from .allocator import BlockPool
+from .kernels.dequant import piece_table
+from .kernels.dispatch import kernel_backend, packed_dequant
 from .layout import PackedSegmentLayout, page_pieces
 from .quant import PackedFormat, QuantConfig, prq_dequantize, prq_quantize
 
@@ -43,6 +50,12 @@ class PackedStore:
         self.cb_rpp = cb.rows_per_page
         self.codebook_view = raw[:, : cb.rows_per_page * cb.row_bytes].view(pool.num_pages, cb.rows_per_page, -1)
         self.num_cb_rows = 2 * batch_size * self.layout.codebook_rows
+        # The codebook region again, typed: [num_pages, rows_per_page, K, D] of the cache dtype (the kernel reads it).
+        K = cfg.centroids
+        self.codebook_rows = pool.pages_as(dtype)[:, : cb.rows_per_page * K * head_dim].view(
+            pool.num_pages, cb.rows_per_page, K, head_dim
+        )
+        self.backend = kernel_backend(pool.device)
 
     def token_pages(self, tokens: int) -> int:
         return self.layout.token_pages(tokens)
@@ -85,6 +98,9 @@ class PackedStore:
         self, out_t: torch.Tensor, tok_pages: list[int], cb_pages: list[int], t0: int, t1: int, head_start: int
     ) -> None:
         """Dequantize tokens `[t0, t1)` into `out_t` `[t1 - t0, 2, B, Hout, D]` (heads from `head_start`)."""
+        if self.backend == "triton":
+            self.dequantize_runs_into(out_t, [(0, tok_pages, cb_pages, t0, t1)], head_start)
+            return
         codebooks = self.codebooks(cb_pages)
         heads = out_t.shape[3]
         B, H, D = self.batch_size, self.num_heads, self.head_dim
@@ -95,3 +111,27 @@ class PackedStore:
             full = prq_dequantize(rows, codebooks, self.fmt_all).view(m, 2, B, H, D)
             out_t[o : o + m].copy_(full[:, :, :, head_start : head_start + heads])
             o += m
+
+    def dequantize_runs_into(
+        self, out_t: torch.Tensor, runs: list[tuple[int, list[int], list[int], int, int]], head_start: int
+    ) -> None:
+        """Several packed runs of one view: each `(out_row, tok_pages, cb_pages, t0, t1)` dequantizes tokens
+        `[t0, t1)` of a packed segment into `out_t[out_row : out_row + t1 - t0]` (`out_t` `[T, 2, B, Hout, D]`).
+
+        Triton backend: one `packed_dequant` launch for all runs (piece table and codebook pages in one
+        host->device copy). Torch backend: `dequantize_into` per run. Same values either way."""
+        if self.backend != "triton":
+            for o, tok_pages, cb_pages, t0, t1 in runs:
+                self.dequantize_into(out_t[o : o + t1 - t0], tok_pages, cb_pages, t0, t1, head_start)
+            return
+        flat: list[int] = []
+        cbs: list[int] = []
+        for o, tok_pages, cb_pages, t0, t1 in runs:
+            for piece in piece_table(tok_pages, self.tpp, t0, t1, o, len(cbs)):
+                flat.extend(piece)
+            cbs.extend(cb_pages)
+        if not flat:
+            return
+        desc = torch.tensor(flat + cbs, dtype=torch.int64, device=out_t.device)
+        n = len(flat)
+        packed_dequant(self.token_view, self.codebook_rows, desc[:n].view(-1, 5), desc[n:], head_start, out_t, self.fmt)

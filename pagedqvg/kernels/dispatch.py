@@ -18,6 +18,8 @@ from functools import cache
 
 import torch
 
+from .dequant import packed_dequant_torch
+from .kmeans import kmeans_assign_torch
 from .page_write import page_fill_torch, page_write_torch
 from .view_build import view_build_torch
 
@@ -35,7 +37,7 @@ def _choice() -> str:
 def _triton_import_error() -> str | None:
     """None when the Triton kernel modules import, else why not (cached: one import attempt per process)."""
     try:
-        from . import triton_page_write, triton_view_build  # noqa: F401
+        from . import triton_dequant, triton_kmeans, triton_page_write, triton_view_build  # noqa: F401
     except Exception as exc:  # ImportError, or a broken triton install failing at import
         return f"{type(exc).__name__}: {exc}"
     return None
@@ -62,7 +64,7 @@ def _triton(device: torch.device):
             f"PAGEDQVG_KERNELS=triton but the Triton kernels cannot be imported ({err}); install triton or set "
             f"PAGEDQVG_KERNELS=torch"
         )
-    from . import triton_page_write, triton_view_build
+    from . import triton_dequant, triton_kmeans, triton_page_write, triton_view_build
     from .triton_common import is_interpreted
 
     if device.type != "cuda" and not is_interpreted(triton_view_build._view_build_kernel):
@@ -71,7 +73,7 @@ def _triton(device: torch.device):
             f"the environment before triton and pagedqvg's Triton kernels are imported; set it at process start, "
             f"or set PAGEDQVG_KERNELS=torch (or auto) for {device.type} tensors"
         )
-    return triton_page_write, triton_view_build
+    return triton_page_write, triton_view_build, triton_dequant, triton_kmeans
 
 
 def page_write(rows, page_idx, slot_idx, head_start, key, value) -> None:
@@ -95,3 +97,19 @@ def view_build(rows, page_idx, slot_idx, head_start, num_heads, out):
     if kernel_backend(rows.device) == "triton":
         return _triton(rows.device)[1].view_build_triton(rows, page_idx, slot_idx, head_start, num_heads, out)
     return view_build_torch(rows, page_idx, slot_idx, head_start, num_heads, out)
+
+
+def packed_dequant(tokens, codebooks, pieces, cb_pages, head_start, out_t, fmt) -> None:
+    """Dequantize pieces of packed segments straight from their pages into `out_t` (see dequant.py)."""
+    if kernel_backend(out_t.device) == "triton":
+        _triton(out_t.device)[2].packed_dequant_triton(tokens, codebooks, pieces, cb_pages, head_start, out_t, fmt)
+    else:
+        packed_dequant_torch(tokens, codebooks, pieces, cb_pages, head_start, out_t, fmt)
+
+
+def kmeans_assign(x, c):
+    """Nearest-centroid ids int64 [H, S] of x [H, S, D] among c [H, K, D] (see kmeans.py; Triton may differ from
+    torch on near-ties only)."""
+    if kernel_backend(x.device) == "triton":
+        return _triton(x.device)[3].kmeans_assign_triton(x, c)
+    return kmeans_assign_torch(x, c)

@@ -1,0 +1,111 @@
+"""Packed view build: dequantize token pieces of PRQ-packed segments, straight from pool pages, into a view.
+
+The flat description of what to read is a *piece table* `pieces`, int64 `[P, 5]`, one row per run of whole tokens
+that sit in one token page: `(page, first_slot, count, out_row, cb_offset)` = read token slots
+`[first_slot, first_slot + count)` of token page `page`, decode them with the codebooks of the segment whose codebook
+pages are `cb_pages[cb_offset:]`, and write them to output rows `[out_row, out_row + count)`. Built on the host from
+`layout.page_pieces` (`piece_table`); within a run `out_row` is the running sum of counts (the CSR offsets of the
+pieces). Pieces of several packed segments (each with its `cb_offset` into one concatenated `cb_pages`) go in one
+table, so a whole view's packed runs can be one launch.
+
+Sources (both are views of the pool arena, see packing.PackedStore):
+
+- `tokens`: uint8 `[num_pages, tokens_per_page, 2, B, token_row_bytes]`, packed token rows (quant/format.py).
+- `codebooks`: `[num_pages, rows_per_page, K, D]` in the cache dtype, the codebook region of the pages; a
+  segment's codebook rows are rows `0 .. 2*B*H*stages - 1` laid over its codebook pages (int64, from
+  `cb_pages[cb_offset]` on): row `((kv * B + b) * H + h) * stages + s` at page
+  `cb_pages[cb_offset + row // rows_per_page]`, slot `row % rows_per_page` (layout.PackedSegmentLayout). A
+  contiguous `[R, K, D]` codebook tensor is the one-page case: pass `codebooks[None]` and `cb_pages = [0]`.
+
+Output `out_t` `[T, 2, B, heads, D]` (any strides; the cache passes a permuted view of its `[2, B, T, heads, D]`
+view) receives heads `[head_start, head_start + heads)` of every (kv, b). Values follow `prq_dequantize` exactly:
+`(code - qmax) * scale` (asymmetric `code * scale + zero`) in fp32, plus the centroid of each stage in stage order,
+cast to the cache dtype once.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from ..layout import page_pieces
+from ..quant import PackedFormat, prq_dequantize
+
+
+def piece_table(
+    pages: list[int], tokens_per_page: int, t0: int, t1: int, out_row: int = 0, cb_offset: int = 0
+) -> list[tuple[int, int, int, int, int]]:
+    """Rows `(page, first_slot, count, out_row, cb_offset)` of the piece table for tokens `[t0, t1)` of a segment
+    whose token pages are `pages`, written from output row `out_row` on. O(pages touched)."""
+    out = []
+    o = out_row
+    for page, a, b in page_pieces(pages, tokens_per_page, t0, t1):
+        out.append((page, a, b - a, o, cb_offset))
+        o += b - a
+    return out
+
+
+def check_packed_dequant(
+    tokens: torch.Tensor,
+    codebooks: torch.Tensor,
+    pieces: torch.Tensor,
+    cb_pages: torch.Tensor,
+    head_start: int,
+    out_t: torch.Tensor,
+    fmt: PackedFormat,
+) -> None:
+    """Shape/dtype checks shared by the reference and the Triton launch (no data is read: no device sync)."""
+    if tokens.dtype != torch.uint8 or tokens.dim() != 5 or tokens.shape[2] != 2:
+        raise ValueError(f"tokens must be uint8 [num_pages, tpp, 2, B, row_bytes], got {tokens.dtype} "
+                         f"{tuple(tokens.shape)}")  # fmt: skip
+    if tokens.shape[4] != fmt.token_row_bytes or tokens.stride(4) != 1:
+        raise ValueError(f"token rows of {tokens.shape[4]} B (stride {tokens.stride(4)}) do not match the format's "
+                         f"contiguous {fmt.token_row_bytes} B rows")  # fmt: skip
+    K, D = fmt.cfg.centroids, fmt.head_dim
+    if codebooks.dim() != 4 or tuple(codebooks.shape[2:]) != (K, D) or codebooks.dtype != fmt.dtype:
+        raise ValueError(f"codebooks must be {fmt.dtype} [num_pages, rows_per_page, {K}, {D}], got {codebooks.dtype} "
+                         f"{tuple(codebooks.shape)}")  # fmt: skip
+    if pieces.dtype != torch.int64 or pieces.dim() != 2 or pieces.shape[1] != 5:
+        raise ValueError(f"pieces must be int64 [P, 5], got {pieces.dtype} {tuple(pieces.shape)}")
+    if cb_pages.dtype != torch.int64 or cb_pages.dim() != 1:
+        raise ValueError(f"cb_pages must be int64 [n], got {cb_pages.dtype} {tuple(cb_pages.shape)}")
+    B = tokens.shape[3]
+    if out_t.dim() != 5 or tuple(out_t.shape[1:3]) != (2, B) or out_t.shape[4] != D:
+        raise ValueError(f"out_t must be [T, 2, {B}, heads, {D}], got {tuple(out_t.shape)}")
+    if out_t.dtype != fmt.dtype:
+        raise TypeError(f"out_t dtype {out_t.dtype} differs from the cache dtype {fmt.dtype}")
+    if head_start < 0 or head_start + out_t.shape[3] > fmt.num_heads:
+        raise ValueError(f"heads [{head_start}, {head_start + out_t.shape[3]}) outside the {fmt.num_heads} heads")
+    devices = {t.device for t in (tokens, codebooks, pieces, cb_pages, out_t)}
+    if len(devices) != 1:
+        raise ValueError(f"tensors on several devices: {sorted(map(str, devices))}")
+
+
+def packed_dequant_torch(
+    tokens: torch.Tensor,
+    codebooks: torch.Tensor,
+    pieces: torch.Tensor,
+    cb_pages: torch.Tensor,
+    head_start: int,
+    out_t: torch.Tensor,
+    fmt: PackedFormat,
+) -> None:
+    """Reference: for each piece, `prq_dequantize` of its token rows (all 2*B*H heads) and a copy of the head slice.
+
+    `fmt` is the format of one (kv, b) row: `fmt.num_heads` = H, the cache's heads. Exact `prq_dequantize` values.
+    """
+    check_packed_dequant(tokens, codebooks, pieces, cb_pages, head_start, out_t, fmt)
+    B = tokens.shape[3]
+    H, D, heads = fmt.num_heads, fmt.head_dim, out_t.shape[3]
+    fmt_all = PackedFormat(head_dim=D, num_heads=2 * B * H, cfg=fmt.cfg, dtype=fmt.dtype)
+    rpp, n_rows = codebooks.shape[1], fmt_all.num_codebook_rows
+    cb_list = cb_pages.tolist()
+    segment_codebooks: dict[int, torch.Tensor] = {}
+    for page, first, count, o, cb_off in pieces.tolist():
+        cb = segment_codebooks.get(cb_off)
+        if cb is None:
+            parts = [codebooks[p, a:b] for p, a, b in page_pieces(cb_list[cb_off:], rpp, 0, n_rows)]
+            cb = (parts[0] if len(parts) == 1 else torch.cat(parts)).reshape(2 * B * H, fmt.cfg.stages, -1, D)
+            segment_codebooks[cb_off] = cb
+        rows = tokens[page, first : first + count].reshape(count, -1)
+        full = prq_dequantize(rows, cb, fmt_all).view(count, 2, B, H, D)
+        out_t[o : o + count].copy_(full[:, :, :, head_start : head_start + heads])

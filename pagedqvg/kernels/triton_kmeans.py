@@ -1,0 +1,87 @@
+"""Triton k-means assignment: the same signature and ids as `kmeans_assign_torch` (kmeans.py), up to near-ties.
+
+Grid: `(cdiv(S, BLOCK_S), H)`. Program `(i, h)` holds `BLOCK_S` tokens of head `h` (`[BLOCK_S, BLOCK_D]` in
+registers) and walks the centroids in tiles of `BLOCK_K`: `||c||^2` of the tile, `x.c` with an fp32 `tl.dot`
+(`input_precision="ieee"`: no TF32), `dist = ||c||^2 - 2 x.c` (the reference's expression), then a running argmin
+that keeps the first minimum (within a tile `tl.argmin` breaks ties to the left; across tiles only a strictly
+smaller distance replaces the best). Memory: one `[BLOCK_S, BLOCK_K]` tile of distances per program; the `[S, K]`
+matrix never exists.
+
+Why ids can differ from the reference: see kmeans.py (fp32 summation order of the dot products and norms).
+
+Compile-time constants: `HEAD_DIM` and the tile; the token count `S` and the centroid count `K` are runtime and not
+specialized on (one compile per head_dim).
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from .kmeans import check_kmeans_assign
+from .triton_common import NUM_WARPS, cdiv, is_interpreted, next_pow2
+
+_RUNTIME = ["os0", "num_tokens", "num_centroids"]  # os0 = S for a contiguous out
+#: Tokens per program (compiled / interpreted) and centroids per tile.
+BLOCK_S, BLOCK_S_INTERPRETED, BLOCK_K = 64, 256, 64
+
+
+@triton.jit(do_not_specialize=_RUNTIME)
+def _kmeans_assign_kernel(
+    x_ptr, xs0, xs1, xs2,  # float32 [H, S, D]
+    c_ptr, cs0, cs1, cs2,  # float32 [H, K, D]
+    out_ptr, os0, os1,  # int64 [H, S]
+    num_tokens, num_centroids,
+    HEAD_DIM: tl.constexpr, BLOCK_S: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_D: tl.constexpr,
+):  # fmt: skip
+    pid_s = tl.program_id(0)
+    h = tl.program_id(1).to(tl.int64)
+    s = pid_s * BLOCK_S + tl.arange(0, BLOCK_S)
+    d = tl.arange(0, BLOCK_D)
+    smask = s < num_tokens
+    dmask = d < HEAD_DIM
+    x = tl.load(x_ptr + h * xs0 + (s * xs1)[:, None] + (d * xs2)[None, :], mask=smask[:, None] & dmask[None, :],
+                other=0.0)  # fmt: skip
+
+    best = tl.full([BLOCK_S], float("inf"), tl.float32)
+    best_id = tl.zeros([BLOCK_S], tl.int32)
+    for k0 in range(0, num_centroids, BLOCK_K):
+        k = k0 + tl.arange(0, BLOCK_K)
+        kmask = k < num_centroids
+        c = tl.load(c_ptr + h * cs0 + (k * cs1)[:, None] + (d * cs2)[None, :], mask=kmask[:, None] & dmask[None, :],
+                    other=0.0)  # fmt: skip
+        cn = tl.sum(c * c, axis=1)  # [BLOCK_K]
+        dot = tl.dot(x, tl.trans(c), input_precision="ieee")  # [BLOCK_S, BLOCK_K]
+        dist = cn[None, :] - 2.0 * dot
+        dist = tl.where(kmask[None, :], dist, float("inf"))
+        tile_min, tile_arg = tl.min(dist, axis=1, return_indices=True, return_indices_tie_break_left=True)
+        better = tile_min < best
+        best = tl.where(better, tile_min, best)
+        best_id = tl.where(better, tile_arg + k0, best_id)
+    tl.store(out_ptr + h * os0 + s * os1, best_id.to(tl.int64), mask=smask)
+
+
+def kmeans_assign_launch(x: torch.Tensor, c: torch.Tensor, out: torch.Tensor):
+    """`(kernel, grid, args, kwargs)` of the assignment launch into `out` int64 [H, S], or None when S == 0."""
+    check_kmeans_assign(x, c)
+    H, S, D = x.shape
+    if tuple(out.shape) != (H, S) or out.dtype != torch.int64:
+        raise ValueError(f"out must be int64 [{H}, {S}], got {out.dtype} {tuple(out.shape)}")
+    if S == 0 or H == 0:
+        return None
+    block_s = BLOCK_S_INTERPRETED if is_interpreted(_kmeans_assign_kernel) else BLOCK_S
+    grid = (cdiv(S, block_s), H)
+    args = (x, *x.stride(), c, *c.stride(), out, *out.stride(), S, c.shape[1])
+    kwargs = dict(HEAD_DIM=D, BLOCK_S=block_s, BLOCK_K=BLOCK_K, BLOCK_D=max(16, next_pow2(D)), num_warps=NUM_WARPS)
+    return _kmeans_assign_kernel, grid, args, kwargs
+
+
+def kmeans_assign_triton(x: torch.Tensor, c: torch.Tensor) -> torch.Tensor:
+    """`kmeans_assign_torch` in one Triton launch: x [H, S, D], c [H, K, D] float32 -> int64 [H, S]."""
+    out = torch.empty(x.shape[0], x.shape[1], dtype=torch.int64, device=x.device)
+    launch = kmeans_assign_launch(x, c, out)
+    if launch is not None:
+        kernel, grid, args, kwargs = launch
+        kernel[grid](*args, **kwargs)
+    return out
