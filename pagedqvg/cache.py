@@ -38,6 +38,7 @@ class Segment:
     kind: str = "dense"  # "dense" or "packed"
     n_token_pages: int = 0  # packed: pages[:n_token_pages] hold token rows, the rest codebooks
     pack_failed: bool = False  # held non-finite values when the policy tried to pack it (retried after a rewrite)
+    lossy: bool = False  # dense rows that came back from a packed form (until a full rewrite of every token and head)
 
     @property
     def packed(self) -> bool:
@@ -307,13 +308,16 @@ class PagedCausalKVCache:
 
     def last_view_sources(self) -> list[tuple[int, int, str]]:
         """Where the rows of the last returned view came from, in order: `(global_start, global_end, kind)` with
-        kind "dense" or "packed" (and `(-1, m - 1, "zeros")` for `m` slots the cache never filled). Valid until the
-        cache changes. O(runs + segments)."""
+        kind "dense" (exact rows), "packed" (dequantized), "unpacked" (dense rows of a chunk that was packed and
+        then partly rewritten: the rows the rewrite did not touch carry the quantization error), and
+        `(-1, m - 1, "zeros")` for `m` slots the cache never filled. Valid until the cache changes.
+        O(runs + segments)."""
         out: list[tuple[int, int, str]] = []
         for a, b in getattr(self, "_last_view_ranges", []):
             for g0, g1 in self._map.to_global(a, min(b, self._L)):
                 for entry in self._index.overlapping(g0, g1):
-                    out.append((max(g0, entry.start), min(g1, entry.end), entry.value.kind))
+                    kind = "unpacked" if entry.value.lossy else entry.value.kind
+                    out.append((max(g0, entry.start), min(g1, entry.end), kind))
             if b > max(a, self._L):
                 out.append((-1, b - max(a, self._L) - 1, "zeros"))
         return out
@@ -669,6 +673,7 @@ class PagedCausalKVCache:
         store.dequantize_into(dense, seg.pages[:n_tok], seg.pages[n_tok:], 0, n, 0)
         self.pool.free(seg.pages, self.owner)
         entry.value = self._new_dense_segment(n)
+        entry.value.lossy = True
         self._store_dense(entry, dense)
 
     def _sink_segment_starts(self) -> set[int]:
@@ -828,6 +833,8 @@ class PagedCausalKVCache:
 
         for x in touched:
             x.value.pack_failed = False  # new values: the policy may try again
+            if s <= x.start and x.end <= e and hin == self._num_heads:
+                x.value.lossy = False  # every row rewritten: exact values again
         write_plan = self._write_plan(s, e, h0, hin)
         self._write(write_plan, h0, key, value)
 
