@@ -19,6 +19,7 @@ from datetime import datetime, timezone
 from pathlib import Path
 
 import torch
+from torch.profiler import ProfilerActivity, profile
 from torch.utils._python_dispatch import TorchDispatchMode
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
@@ -57,6 +58,19 @@ class AllocationCounter(TorchDispatchMode):
                 self.count += 1
                 self.bytes += t.untyped_storage().nbytes()
         return out
+
+
+def peak_transient_bytes(fn) -> int:
+    """Peak bytes of live tensors allocated during `fn()` (its result included), from the profiler's allocation
+    and free events in time order (CPU; on CUDA use torch.cuda.max_memory_allocated)."""
+    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
+        result = fn()
+    live = peak = 0
+    for event in sorted(prof.events(), key=lambda e: e.time_range.start):
+        live += event.self_cpu_memory_usage
+        peak = max(peak, live)
+    del result
+    return peak
 
 
 def median_time(fn, repeats: int) -> float:
@@ -118,6 +132,7 @@ def bench_view(shape_name: str, quant_name: str, repeats: int) -> dict:
         view_k = out.k if hasattr(out, "k") else out[0]
         row[f"{name}_allocs"] = counter.count
         row[f"{name}_alloc_bytes"] = counter.bytes
+        row[f"{name}_peak_bytes"] = peak_transient_bytes(call)
         row["view_bytes"] = 2 * view_k.numel() * view_k.element_size()
     return row
 
@@ -148,15 +163,16 @@ def bench_host_overhead(repeats: int) -> dict:
 
 
 def bench_resident(chunks: int) -> list[dict]:
-    """Resident K/V bytes of one layer at the LingBot chunk size (4,680 tokens; heads scaled to 2: ratios per head
-    are the same as at 40 heads) over a run of `chunks` chunks, all three designs, exact."""
+    """Resident K/V bytes of one layer at the LingBot chunk size (4,680 tokens) over a run of `chunks` chunks, all
+    three designs, exact. Heads are scaled from 40 to 2 and pages from 2 MiB to 128 KiB with them, so bytes per head
+    and page rounding match the full-size layer (the ratios are the full-size ratios)."""
     shape = dict(heads=2, head_dim=128, tpf=1560, chunk_frames=3, sink_frames=3, window_frames=18)
     g = geometry(shape)
     rows = []
     k, v = video_kv(chunks * 3, 1560, 2, 128, seed=2)
     for quant_name in ("int2", "int4"):
         quant = QUANTS[quant_name]
-        pool = BlockPool(capacity_bytes=1 << 30, page_bytes=2 << 20)
+        pool = BlockPool(capacity_bytes=1 << 30, page_bytes=128 << 10)
         paged = build("paged", shape, quant, pool)
         seglist = build("segment-list", shape, quant)
         dense = build("dense", shape, None)
@@ -175,6 +191,7 @@ def bench_resident(chunks: int) -> list[dict]:
             "segment_list_bytes": seglist.resident_nbytes(), "segment_list_peak_bytes": peak["segment-list"],
             "pagedqvg_packed_bytes": mb["packed_bytes"], "pagedqvg_dense_bytes": mb["dense_bytes"],
             "packed_tokens": mb["packed_tokens"], "dense_tokens": mb["dense_tokens"],
+            "bf16_token_bytes": 2 * shape["heads"] * shape["head_dim"] * 2,
         })
     return rows
 
@@ -183,7 +200,8 @@ def markdown(results: dict) -> str:
     lines = [f"Machine: {results['machine']}; torch {results['torch']}; {results['date']}", ""]
     lines += ["### View build per layer call (a rewrite of the current chunk, steady state)", "",
               "| shape | quant | pagedqvg ms | segment list ms | ratio | dense ms | ratio vs dense | "
-              "allocs (paged / seglist / dense) | allocated bytes per call (paged / seglist) | view bytes |",
+              "tensor allocations per call (paged / seglist / dense) | peak transient bytes (paged / seglist) | "
+              "view bytes |",
               "|---|---|---:|---:|---:|---:|---:|---|---|---:|"]
     for r in results["view"]:
         dense_ms = r.get("dense_ms")
@@ -192,7 +210,7 @@ def markdown(results: dict) -> str:
             f"{r['pagedqvg_ms'] / r['segment-list_ms']:.2f}x | "
             + (f"{dense_ms:.2f} | {r['pagedqvg_ms'] / dense_ms:.2f}x | " if dense_ms else "– | – | ")
             + f"{r['pagedqvg_allocs']} / {r['segment-list_allocs']} / {r.get('dense_allocs', '–')} | "
-            f"{r['pagedqvg_alloc_bytes']:,} / {r['segment-list_alloc_bytes']:,} | {r['view_bytes']:,} |"
+            f"{r['pagedqvg_peak_bytes']:,} / {r['segment-list_peak_bytes']:,} | {r['view_bytes']:,} |"
         )
     h = results["host"]
     lines += ["", "### Host overhead per call, tiny tensors (B=1, 2 heads, head_dim 8, 4-token chunks)", "",
@@ -204,14 +222,15 @@ def markdown(results: dict) -> str:
               f"{h['dense_allocs']} / {h['pagedqvg_allocs']} / {h['pagedqvg-reuse-buffer_allocs']} |"]
     lines += ["", "### Resident K/V bytes of one layer, LingBot chunk size (4,680 tokens), after the run (exact)", "",
               "| quant | chunks | dense | pagedqvg | dense / pagedqvg | segment list | dense / segment list | "
-              "pagedqvg packed / bf16 bytes | packed / bf16 tokens |",
-              "|---|---:|---:|---:|---:|---:|---:|---|---|"]
+              "pagedqvg packed / bf16 bytes | packed / bf16 tokens | packed chunks vs bf16 |",
+              "|---|---:|---:|---:|---:|---:|---:|---|---|---:|"]
     for r in results["resident"]:
         lines.append(
             f"| {r['quant']} | {r['chunks']} | {r['dense_bytes']:,} | {r['pagedqvg_bytes']:,} | "
             f"{r['dense_bytes'] / r['pagedqvg_bytes']:.2f}x | {r['segment_list_bytes']:,} | "
             f"{r['dense_bytes'] / r['segment_list_bytes']:.2f}x | {r['pagedqvg_packed_bytes']:,} / "
-            f"{r['pagedqvg_dense_bytes']:,} | {r['packed_tokens']:,} / {r['dense_tokens']:,} |"
+            f"{r['pagedqvg_dense_bytes']:,} | {r['packed_tokens']:,} / {r['dense_tokens']:,} | "
+            f"{r['packed_tokens'] * r['bf16_token_bytes'] / r['pagedqvg_packed_bytes']:.2f}x |"
         )
     return "\n".join(lines) + "\n"
 

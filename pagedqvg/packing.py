@@ -21,6 +21,9 @@ from .kernels.dispatch import kernel_backend, packed_dequant
 from .layout import PackedSegmentLayout, page_pieces
 from .quant import PackedFormat, QuantConfig, prq_dequantize, prq_quantize
 
+#: Elements dequantized per step on the torch path (fp32 temporaries stay at a few MiB whatever the view size).
+DEQUANT_TILE_ELEMS = 1 << 18
+
 
 class PackedStore:
     """Slice views of the arena for one layer shape's packed segments, and the pack / unpack operations."""
@@ -104,13 +107,17 @@ class PackedStore:
         codebooks = self.codebooks(cb_pages)
         heads = out_t.shape[3]
         B, H, D = self.batch_size, self.num_heads, self.head_dim
+        hs = slice(head_start, head_start + heads)
+        step = max(1, DEQUANT_TILE_ELEMS // (2 * B * H * D))  # tokens per step: bounded fp32 temporaries
         o = 0
         for page, a, b in page_pieces(tok_pages, self.tpp, t0, t1):
-            m = b - a
-            rows = self.token_view[page, a:b].reshape(m, -1)
-            full = prq_dequantize(rows, codebooks, self.fmt_all).view(m, 2, B, H, D)
-            out_t[o : o + m].copy_(full[:, :, :, head_start : head_start + heads])
-            o += m
+            for x in range(a, b, step):
+                m = min(b, x + step) - x
+                rows = self.token_view[page, x : x + m].reshape(m, -1)
+                full = prq_dequantize(rows, codebooks, self.fmt_all).view(m, 2, B, H, D)
+                out_t[o : o + m, 0].copy_(full[:, 0, :, hs])  # K and V separately: contiguous copies when B == 1
+                out_t[o : o + m, 1].copy_(full[:, 1, :, hs])
+                o += m
 
     def dequantize_runs_into(
         self, out_t: torch.Tensor, runs: list[tuple[int, list[int], list[int], int, int]], head_start: int
