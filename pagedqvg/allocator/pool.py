@@ -130,6 +130,7 @@ class BlockPool:
         self._typed: dict[torch.dtype, torch.Tensor] = {}
         self._owner_serial = 0
         self._view_buffer: torch.Tensor | None = None
+        self._view_buffer_last: tuple[int, torch.dtype, torch.Tensor] | None = None
 
     @classmethod
     def from_free_memory(
@@ -161,12 +162,17 @@ class BlockPool:
 
         Valid until the next call that asks for it; it grows (never shrinks) and lives outside the page budget.
         """
+        last = self._view_buffer_last
+        if last is not None and last[0] == numel and last[1] == dtype:
+            return last[2]
         nbytes = numel * dtype.itemsize
         buf = self._view_buffer
         if buf is None or buf.numel() < nbytes:
             buf = torch.empty(max(nbytes, 1), dtype=torch.uint8, device=self.device)
             self._view_buffer = buf
-        return buf[:nbytes].view(dtype)
+        typed = buf[:nbytes].view(dtype)
+        self._view_buffer_last = (numel, dtype, typed)
+        return typed
 
     # ------------------------------------------------------------ ownership
     def new_owner(self, label: str) -> str:
