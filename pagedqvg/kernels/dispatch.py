@@ -8,12 +8,17 @@ Backend per call, from the device of the tensors and `PAGEDQVG_KERNELS`:
   the environment *before* triton and the kernel modules are imported (triton reads it when it decorates kernels);
   otherwise the call raises a RuntimeError that says so.
 
-Triton is imported lazily (on the first Triton call), so `import pagedqvg` never imports triton.
+Triton is imported lazily (on the first Triton call), so `import pagedqvg` never imports triton. When `auto` cannot
+import the kernels for CUDA tensors it warns once (with the import error) and uses torch.
+
+`PAGEDQVG_KERNEL_CHECKS=1` makes every Triton launch check its row indices on the host first (an IndexError naming
+the bad value, like the torch references raise; costs a device sync per launch — for tests and debugging).
 """
 
 from __future__ import annotations
 
 import os
+import warnings
 from functools import cache
 
 import torch
@@ -52,8 +57,32 @@ def kernel_backend(device: torch.device | str) -> str:
     """'torch' or 'triton' for tensors on `device`, honouring the PAGEDQVG_KERNELS environment variable."""
     choice = _choice()
     if choice == "auto":
-        return "triton" if torch.device(device).type == "cuda" and triton_available() else "torch"
+        if torch.device(device).type != "cuda":
+            return "torch"
+        if not triton_available():
+            _warn_fallback()
+            return "torch"
+        return "triton"
     return choice
+
+
+@cache
+def _warn_fallback() -> None:
+    warnings.warn(
+        f"pagedqvg: Triton kernels unavailable ({_triton_import_error()}); CUDA tensors use the slower torch path",
+        RuntimeWarning,
+        stacklevel=3,
+    )
+
+
+def _check_rows(rows: torch.Tensor, page_idx: torch.Tensor, slot_idx: torch.Tensor) -> None:
+    """With PAGEDQVG_KERNEL_CHECKS=1: the row indices a Triton launch will follow must lie inside `rows`."""
+    if os.environ.get("PAGEDQVG_KERNEL_CHECKS", "0") != "1" or page_idx.numel() == 0:
+        return
+    for name, idx, bound in (("page", page_idx, rows.shape[0]), ("slot", slot_idx, rows.shape[1])):
+        lo, hi = int(idx.min()), int(idx.max())
+        if lo < 0 or hi >= bound:
+            raise IndexError(f"{name} index out of range: {lo}..{hi}, valid 0..{bound - 1}")
 
 
 def _triton(device: torch.device):
@@ -79,6 +108,7 @@ def _triton(device: torch.device):
 def page_write(rows, page_idx, slot_idx, head_start, key, value) -> None:
     """Scatter key/value into token rows (see page_write.py)."""
     if kernel_backend(rows.device) == "triton":
+        _check_rows(rows, page_idx, slot_idx)
         _triton(rows.device)[0].page_write_triton(rows, page_idx, slot_idx, head_start, key, value)
     else:
         page_write_torch(rows, page_idx, slot_idx, head_start, key, value)
@@ -87,6 +117,7 @@ def page_write(rows, page_idx, slot_idx, head_start, key, value) -> None:
 def page_fill(rows, page_idx, slot_idx, fill: float = 0.0) -> None:
     """Fill every head of the addressed token rows."""
     if kernel_backend(rows.device) == "triton":
+        _check_rows(rows, page_idx, slot_idx)
         _triton(rows.device)[0].page_fill_triton(rows, page_idx, slot_idx, fill)
     else:
         page_fill_torch(rows, page_idx, slot_idx, fill)
@@ -95,6 +126,7 @@ def page_fill(rows, page_idx, slot_idx, fill: float = 0.0) -> None:
 def view_build(rows, page_idx, slot_idx, head_start, num_heads, out):
     """Gather visible token rows into `out` (see view_build.py)."""
     if kernel_backend(rows.device) == "triton":
+        _check_rows(rows, page_idx, slot_idx)
         return _triton(rows.device)[1].view_build_triton(rows, page_idx, slot_idx, head_start, num_heads, out)
     return view_build_torch(rows, page_idx, slot_idx, head_start, num_heads, out)
 
@@ -102,6 +134,12 @@ def view_build(rows, page_idx, slot_idx, head_start, num_heads, out):
 def packed_dequant(tokens, codebooks, pieces, cb_pages, head_start, out_t, fmt) -> None:
     """Dequantize pieces of packed segments straight from their pages into `out_t` (see dequant.py)."""
     if kernel_backend(out_t.device) == "triton":
+        if os.environ.get("PAGEDQVG_KERNEL_CHECKS", "0") == "1" and pieces.numel():
+            first, count = pieces[:, 1], pieces[:, 2]
+            if int(pieces[:, 0].max()) >= tokens.shape[0] or int((first + count).max()) > tokens.shape[1]:
+                raise IndexError(f"packed piece table leaves the token pages: {pieces.tolist()}")
+            if int(cb_pages.max()) >= codebooks.shape[0]:
+                raise IndexError(f"codebook page out of range: {cb_pages.tolist()} (pages: {codebooks.shape[0]})")
         _triton(out_t.device)[2].packed_dequant_triton(tokens, codebooks, pieces, cb_pages, head_start, out_t, fmt)
     else:
         packed_dequant_torch(tokens, codebooks, pieces, cb_pages, head_start, out_t, fmt)

@@ -194,6 +194,9 @@ class PackedFormat:
         if codes.shape[-1] != self.head_dim:
             raise ValueError(f"codes last dim {codes.shape[-1]} != head_dim {self.head_dim}")
         c = codes.to(torch.int32)
+        levels = 3 if self.cfg.pack_trits else 1 << self.bits
+        if c.numel() and (int(c.min()) < 0 or int(c.max()) >= levels):
+            raise ValueError(f"codes must lie in 0..{levels - 1}, got {int(c.min())}..{int(c.max())}")
         lead = c.shape[:-1]
         if self.cfg.pack_trits:
             pad = self.code_bytes * 5 - self.head_dim

@@ -4,7 +4,9 @@ Per head, over the S tokens of one segment (vectors of D channels):
 
 1. `stages` rounds of k-means with K = `centroids` clusters, `kmeans_iters` assign/update iterations each, then one
    final assignment against the stored (cache-dtype) centroids; residual -= centroid[id]. Assign = nearest centroid by
-   squared L2 (ties to the lowest index); update = mean in fp32; an empty cluster keeps its old centroid.
+   squared L2 computed as ||c||^2 - 2 x.c (ties in that computed value go to the lowest index; two centroids at
+   mathematically equal distance may round apart); update = mean in fp32; an empty cluster keeps its old centroid.
+   Matmuls run in IEEE fp32 whatever `torch.set_float32_matmul_precision` says (no TF32).
    Init: K token indices drawn uniformly with replacement from a CPU `torch.Generator` seeded with `cfg.seed` (a fresh
    draw per stage, per head), or `init_centroids` (warm start, e.g. the previous chunk's codebooks).
 2. The final residual is block-quantized per token, per head, per `block_size` channels with fp8 e4m3 scale (and zero).
@@ -35,6 +37,7 @@ Numerics (everything below keeps outputs finite; inputs must be finite, else `Va
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 
 import torch
@@ -47,7 +50,7 @@ _TILE_ELEMS = 1 << 22
 #: Residuals are clamped to +-this before block quantization (fp8 scales already clip far below it).
 _RESIDUAL_CLAMP = float(2**24)
 #: Exponent range of the per-head power-of-two normalisation (keeps 2^-e a finite, normal-ish fp32 value).
-_EXP_MIN, _EXP_MAX = -100, 128
+_EXP_MIN, _EXP_MAX = -100, 127  # 2^127 is the largest finite power of two in fp32
 
 
 @dataclass(slots=True)
@@ -79,6 +82,29 @@ class PRQSegment:
 
 
 # ---------------------------------------------------------------------------------------------------------- quantize
+class _IEEEFloat32Matmul:
+    """Context: fp32 matmuls in full IEEE precision (no TF32), restoring the caller's setting afterwards."""
+
+    def __enter__(self) -> None:
+        self.saved = torch.get_float32_matmul_precision()
+        torch.set_float32_matmul_precision("highest")
+
+    def __exit__(self, *exc: object) -> None:
+        torch.set_float32_matmul_precision(self.saved)
+
+
+def _ieee_fp32(fn):
+    """Run `fn` with IEEE fp32 matmuls (see `_IEEEFloat32Matmul`)."""
+
+    @functools.wraps(fn)
+    def wrapper(*args, **kwargs):
+        with _IEEEFloat32Matmul():
+            return fn(*args, **kwargs)
+
+    return wrapper
+
+
+@_ieee_fp32
 def prq_quantize(x: torch.Tensor, cfg: QuantConfig, *, init_centroids: torch.Tensor | None = None) -> PRQSegment:
     """PRQ-pack one segment.
 

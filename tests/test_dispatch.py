@@ -1,0 +1,33 @@
+"""The kernel dispatch point: backend choice and the opt-in index checks of Triton launches."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from pagedqvg.kernels import dispatch
+
+
+def test_backend_choice(monkeypatch):
+    monkeypatch.setenv("PAGEDQVG_KERNELS", "auto")
+    assert dispatch.kernel_backend("cpu") == "torch"
+    monkeypatch.setenv("PAGEDQVG_KERNELS", "torch")
+    assert dispatch.kernel_backend("cpu") == "torch"
+    monkeypatch.setenv("PAGEDQVG_KERNELS", "triton")
+    assert dispatch.kernel_backend("cpu") == "triton"
+    monkeypatch.setenv("PAGEDQVG_KERNELS", "cuda-please")
+    with pytest.raises(ValueError, match="'cuda-please' is not one of"):
+        dispatch.kernel_backend("cpu")
+
+
+def test_index_checks_name_the_bad_range(monkeypatch):
+    rows = torch.zeros(3, 4, 1, 2)  # 3 pages x 4 row slots
+    ok_pages, ok_slots = torch.tensor([[[0, 2]]]), torch.tensor([[[3, 0]]])
+    monkeypatch.setenv("PAGEDQVG_KERNEL_CHECKS", "1")
+    dispatch._check_rows(rows, ok_pages, ok_slots)
+    with pytest.raises(IndexError, match=r"slot index out of range: 0..4, valid 0..3"):
+        dispatch._check_rows(rows, ok_pages, torch.tensor([[[4, 0]]]))
+    with pytest.raises(IndexError, match=r"page index out of range: -1..2, valid 0..2"):
+        dispatch._check_rows(rows, torch.tensor([[[-1, 2]]]), ok_slots)
+    monkeypatch.setenv("PAGEDQVG_KERNEL_CHECKS", "0")
+    dispatch._check_rows(rows, ok_pages, torch.tensor([[[4, 0]]]))  # off by default: no host sync
