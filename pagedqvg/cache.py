@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import operator
 import warnings
+import weakref
 from dataclasses import dataclass, field
 
 import torch
@@ -60,7 +61,7 @@ class _WritePlan:
     slot_map: SlotMap
     free_entries: list[RangeEntry[Segment]] = field(default_factory=list)
     unpack_entries: list[RangeEntry[Segment]] = field(default_factory=list)
-    pressure_entries: list[RangeEntry[Segment]] = field(default_factory=list)
+    pressure_entries: list[tuple] = field(default_factory=list)  # (entry, token rows, codebook rows), quantized
 
 
 def _as_index(name: str, value: object, debug_name: str) -> int:
@@ -233,9 +234,16 @@ class PagedCausalKVCache:
         self._index: RangeIndex[Segment] = RangeIndex()
         self._closed = False
         self._version = 0
-        self._plans: dict[tuple, tuple[torch.Tensor, torch.Tensor]] = {}
+        self._plans: dict[tuple, tuple] = {}
+        self._last_view_ranges: list[tuple[int, int]] = []
         self._g_tensor = self._cursor("global_end_index", global_end_index)
         self._l_tensor = self._cursor("local_end_index", local_end_index)
+        if self._g_tensor.untyped_storage().data_ptr() == self._l_tensor.untyped_storage().data_ptr():
+            raise CacheConfigError(
+                "global_end_index and local_end_index must be two different tensors (G and L differ)"
+            )
+        # A cache collected without close() still gives its pages back.
+        self._finalizer = weakref.finalize(self, _release_owner, pool, self.owner)
         self.global_end_index_int: int | None = 0 if self._use_int else None
         self.local_end_index_int: int | None = 0 if self._use_int else None
 
@@ -313,7 +321,7 @@ class PagedCausalKVCache:
         `(-1, m - 1, "zeros")` for `m` slots the cache never filled. Valid until the cache changes.
         O(runs + segments)."""
         out: list[tuple[int, int, str]] = []
-        for a, b in getattr(self, "_last_view_ranges", []):
+        for a, b in self._last_view_ranges:
             for g0, g1 in self._map.to_global(a, min(b, self._L)):
                 for entry in self._index.overlapping(g0, g1):
                     kind = "unpacked" if entry.value.lossy else entry.value.kind
@@ -353,6 +361,8 @@ class PagedCausalKVCache:
                 raise TypeError(f"{name}: {label} dtype {t.dtype} differs from the cache dtype {self.dtype}")
             if t.device != self.device:
                 raise ValueError(f"{name}: {label} is on {t.device}, the cache is on {self.device}")
+            if t.layout != torch.strided:
+                raise TypeError(f"{name}: {label} has layout {t.layout}; the cache takes dense (strided) tensors")
         assert isinstance(key, torch.Tensor) and isinstance(value, torch.Tensor)
         if key.shape != value.shape:
             raise ValueError(f"{name}: key shape {tuple(key.shape)} differs from value shape {tuple(value.shape)}")
@@ -508,6 +518,7 @@ class PagedCausalKVCache:
     def _structure_changed(self) -> None:
         self._version += 1
         self._plans.clear()
+        self._last_view_ranges = []
 
     # ------------------------------------------------------------ data movement (torch slices or Triton kernels)
     def _remember(self, key: tuple, plan: tuple) -> tuple:
@@ -652,18 +663,24 @@ class PagedCausalKVCache:
         except ValueError as exc:
             self.pack_skipped += 1
             entry.value.pack_failed = True
-            warnings.warn(f"{self.debug_name}: chunk [{entry.start}, {entry.end}) stays unpacked: {exc}", stacklevel=3)
+            warnings.warn(f"{self.debug_name}: chunk [{entry.start}, {entry.end}) stays unpacked: {exc}", stacklevel=4)
             return False
+        self._store_packed(entry, tok, cb)
+        return True
+
+    def _store_packed(self, entry: RangeEntry[Segment], tok: torch.Tensor, cb: torch.Tensor) -> None:
+        """Swap a dense segment's pages for packed pages holding `tok`/`cb` (from `PackedStore.quantize`)."""
+        store = self._packed
+        assert store is not None
         n = entry.end - entry.start
         self.pool.free(entry.value.pages, self.owner)
         pages = self.pool.alloc(store.pages_for_tokens(n), self.owner)
         n_tok = store.token_pages(n)
         store.write(pages[:n_tok], pages[n_tok:], tok, cb)
         entry.value = Segment(pages, None, "packed", n_tok)
-        return True
 
-    def _unpack(self, entry: RangeEntry[Segment]) -> None:
-        """Turn a packed segment back into dense rows (a rewrite touches it); the policy repacks it later."""
+    def _dequantize_segment(self, entry: RangeEntry[Segment]) -> torch.Tensor:
+        """All tokens of a packed segment as dense `[n, 2, B, H, D]` (a temporary; nothing changes)."""
         store = self._packed
         seg = entry.value
         assert store is not None and seg.packed
@@ -671,7 +688,13 @@ class PagedCausalKVCache:
         dense = torch.empty(n, 2, self.batch_size, self._num_heads, self.head_dim, dtype=self.dtype, device=self.device)
         n_tok = seg.n_token_pages
         store.dequantize_into(dense, seg.pages[:n_tok], seg.pages[n_tok:], 0, n, 0)
-        self.pool.free(seg.pages, self.owner)
+        return dense
+
+    def _unpack(self, entry: RangeEntry[Segment], dense: torch.Tensor) -> None:
+        """Turn a packed segment back into dense rows holding `dense` (from `_dequantize_segment`); the policy
+        repacks it later."""
+        n = entry.end - entry.start
+        self.pool.free(entry.value.pages, self.owner)
         entry.value = self._new_dense_segment(n)
         entry.value.lossy = True
         self._store_dense(entry, dense)
@@ -705,23 +728,30 @@ class PagedCausalKVCache:
         if changed:
             self._structure_changed()
 
-    def _pressure_plan(self, deficit: int, plan: _WritePlan, s: int, e: int) -> list[RangeEntry[Segment]]:
+    def _pressure_plan(self, deficit: int, plan: _WritePlan, s: int, e: int) -> list[tuple]:
         """Dense chunks to pack early so that `deficit` more pages become free, oldest first (non-sink before
-        sink); empty if even packing all of them would not be enough."""
+        sink), each already quantized (`(entry, token_rows, codebook_rows)`; nothing changes here); empty if even
+        packing all of them would not be enough."""
         excluded = {x.start for x in plan.free_entries} | {x.start for x in plan.unpack_entries}
         sinks = self._sink_segment_starts()
         candidates = [
             x for x in self._index if not x.value.packed and x.start not in excluded and not (x.start < e and s < x.end)
         ]
         candidates.sort(key=lambda x: x.start in sinks)
-        chosen: list[RangeEntry[Segment]] = []
+        assert self._packed is not None
+        chosen: list[tuple] = []
         for entry in candidates:
             if deficit <= 0:
                 break
             gain = self._packed_net_pages(entry)
-            if gain > 0 and not entry.value.pack_failed and bool(torch.isfinite(self._read_dense(entry)).all()):
-                chosen.append(entry)
-                deficit -= gain
+            if gain <= 0 or entry.value.pack_failed:
+                continue
+            try:
+                tok, cb = self._packed.quantize(self._read_dense(entry))
+            except ValueError:  # non-finite values: this chunk cannot be packed
+                continue
+            chosen.append((entry, tok, cb))
+            deficit -= gain
         return chosen if deficit <= 0 else []
 
     def _report_used(self) -> None:
@@ -757,6 +787,7 @@ class PagedCausalKVCache:
             self._l_tensor.fill_(self._L)
 
     # ------------------------------------------------------------ the call
+    @torch.no_grad()
     def update_and_get_attention_kv(
         self,
         *,
@@ -802,19 +833,32 @@ class PagedCausalKVCache:
             if deficit > 0 and self._packed is not None and self.pack_under_pressure:
                 plan.pressure_entries = self._pressure_plan(deficit, plan, s, e)
             if deficit > 0 and not plan.pressure_entries:
+                what = f"appending {plan.new_tokens} tokens at {self._G}" if plan.new_tokens else ""
+                if plan.unpack_entries:
+                    chunks = ", ".join(f"[{x.start}, {x.end})" for x in plan.unpack_entries)
+                    what += ("; " if what else "") + f"unpacking packed chunk(s) {chunks} for the rewrite at {s}"
+                hint = ""
+                if self._packed is not None and not self.pack_under_pressure:
+                    hint = "; pack_under_pressure=True would pack this layer's bf16 chunks early"
                 raise pool.exhausted_error(
                     need,
-                    f"{self.debug_name}: appending {plan.new_tokens} tokens at {self._G} ({freed} pages "
-                    f"freed by this call's eviction count as free)",
+                    f"{self.debug_name}: {what} ({freed} pages freed by this call's eviction count as free{hint})",
                 )
-            for x in plan.pressure_entries:
-                packed_ok = self._pack(x)
-                assert packed_ok, "pressure candidates are checked finite and to free pages"
+            # Everything that can fail (quantize, dequantize: temporaries) is done; from here on nothing raises.
+            # Unpacks that give pages back (packed form bigger than dense, e.g. tiny chunks) go first, so the
+            # pages counted in `need` are free when each later unpack takes its own.
+            order = sorted(
+                plan.unpack_entries, key=lambda x: self.layout.pages_for_tokens(x.end - x.start) - len(x.value.pages)
+            )
+            unpacked = [(x, self._dequantize_segment(x)) for x in order]
+            self._structure_changed()
+            for x, tok, cb in plan.pressure_entries:
+                self._store_packed(x, tok, cb)
             for x in plan.free_entries:
                 self._index.remove(x)
                 pool.free(x.value.pages, self.owner)
-            for x in plan.unpack_entries:
-                self._unpack(x)
+            for x, dense in unpacked:
+                self._unpack(x, dense)
             if plan.new_tokens:
                 self._index.insert(self._G, plan.global_end, self._new_dense_segment(plan.new_tokens))
             self._C, self._W = plan.cache_size, plan.window
@@ -963,6 +1007,11 @@ class PagedCausalKVCache:
         self._map = SlotMap()
         self._structure_changed()
         self._closed = True
+
+
+def _release_owner(pool: BlockPool, owner: str) -> None:
+    if pool.pages_of(owner):
+        pool.release_owner(owner)
 
 
 def make_layer_caches(num_layers: int, *, pool: BlockPool, **kwargs) -> list[PagedCausalKVCache]:

@@ -316,3 +316,40 @@ def test_make_layer_caches_share_one_pool():
         make_layer_caches(0, pool=pool)
     with pytest.raises(CacheConfigError, match="shared by every layer"):
         make_layer_caches(2, pool=pool, global_end_index=torch.zeros(1, dtype=torch.int64))
+
+
+def test_inputs_that_require_grad_are_copied_without_autograd():
+    cache = rolled_cache()
+    k = torch.randn(1, 3, H, D, requires_grad=True) * 1.0  # a non-leaf with grad history
+    view = cache.update_and_get_attention_kv(key=k, value=k.detach(), current_chunk_start=18)
+    assert not view.k.requires_grad and torch.equal(view.k[:, -3:], k.detach())
+    other = make(cache.pool)  # the pool's shared views carry no autograd history
+    call(other, start=0)
+
+
+def test_sparse_input_is_refused_before_anything_changes():
+    cache = rolled_cache()
+    before = snapshot(cache)
+    k, v = kv(3)
+    with pytest.raises(TypeError, match=r"layout torch\.sparse_coo"):
+        cache.update_and_get_attention_kv(key=k.to_sparse(), value=v, current_chunk_start=18)
+    same(before, snapshot(cache))
+
+
+def test_one_tensor_for_both_cursors_is_refused():
+    cursor = torch.zeros(1, dtype=torch.int64)
+    with pytest.raises(CacheConfigError, match="two different tensors"):
+        make(global_end_index=cursor, local_end_index=cursor)
+
+
+def test_a_collected_cache_gives_its_pages_back():
+    import gc
+
+    pool = BlockPool(capacity_bytes=64 * 1024, page_bytes=1024)
+    cache = make(pool)
+    call(cache, start=0)
+    assert pool.stats().used_pages > 0
+    del cache
+    gc.collect()
+    assert pool.stats().used_pages == 0
+    pool.check()

@@ -203,3 +203,17 @@ class PoolMachine(RuleBasedStateMachine):
 
 TestPoolMachine = PoolMachine.TestCase
 TestPoolMachine.settings = settings(max_examples=60, stateful_step_count=40, deadline=None)
+
+
+def test_used_bytes_must_fit_the_owners_pages_and_shrink_with_a_partial_free():
+    pool = BlockPool(capacity_bytes=4 * 256, page_bytes=256)
+    pool.alloc(2, "a")
+    with pytest.raises(ValueError, match="reports 600 B used but holds 512 B"):
+        pool.set_used_bytes("a", 600)
+    with pytest.raises(ValueError, match="int >= 0"):
+        pool.set_used_bytes("a", 1.5)
+    pool.set_used_bytes("a", 500)
+    pool.free([1], "a")
+    assert pool.stats().used_bytes == 256 and pool.stats().waste_bytes == 0
+    assert pool.release_owner("a") == 1 and pool.stats().used_pages == 0
+    pool.check()

@@ -106,7 +106,8 @@ class BlockPool:
         if page_bytes % PAGE_ALIGN_BYTES:
             raise ValueError(
                 f"page_bytes must be a multiple of {PAGE_ALIGN_BYTES} (pages are {PAGE_ALIGN_BYTES}-byte aligned), "
-                f"got {page_bytes}; nearest valid: {max(PAGE_ALIGN_BYTES, page_bytes // PAGE_ALIGN_BYTES * 256)}"
+                f"got {page_bytes}; nearest valid: "
+                f"{max(PAGE_ALIGN_BYTES, round(page_bytes / PAGE_ALIGN_BYTES) * PAGE_ALIGN_BYTES)}"
             )
         if capacity_bytes < page_bytes:
             raise ValueError(
@@ -252,14 +253,27 @@ class BlockPool:
             left = self._owner_pages[owner] - len(pages)
             if left:
                 self._owner_pages[owner] = left
+                if self._owner_used.get(owner, 0) > left * self.page_bytes:  # the owner reports again later
+                    self._owner_used[owner] = left * self.page_bytes
             else:
                 del self._owner_pages[owner]
                 self._owner_used.pop(owner, None)
 
+    def release_owner(self, owner: str) -> int:
+        """Give back every page `owner` holds (e.g. a cache collected without `close()`). O(num_pages).
+        Returns the number of pages freed."""
+        pages = [p for p, holder in enumerate(self._owner_of) if holder == owner]
+        self._owner_used.pop(owner, None)
+        self.free(pages, owner)
+        return len(pages)
+
     def set_used_bytes(self, owner: str, nbytes: int) -> None:
         """Record how many bytes of its pages `owner` really uses (for the waste figure). O(1)."""
-        if nbytes < 0:
-            raise ValueError(f"set_used_bytes: nbytes must be >= 0, got {nbytes}")
+        if isinstance(nbytes, bool) or not isinstance(nbytes, int) or nbytes < 0:
+            raise ValueError(f"set_used_bytes: nbytes must be an int >= 0, got {nbytes!r}")
+        held = self._owner_pages.get(owner, 0) * self.page_bytes
+        if nbytes > held:
+            raise ValueError(f"set_used_bytes: {owner} reports {nbytes} B used but holds {held} B of pages")
         if nbytes:
             self._owner_used[owner] = nbytes
         else:
