@@ -8,13 +8,13 @@
 # kernel for the interpreter), with the reduced Hypothesis budget PAGEDQVG_FUZZ_PROFILE=interp. The interpreter
 # costs ~10-30 ms per kernel call on 2 cores, so the "ci" fuzz budget would take many minutes.
 #
-# Environment: PYTHON (default /work/venv/bin/python if present, else python3), PAGEDQVG_FUZZ_PROFILE (default interp).
+# Environment: PYTHON (default the `python` on PATH), PAGEDQVG_FUZZ_PROFILE (default interp).
 # Exit status: pytest's (5 = no cache test files yet).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
 if [[ -z "${PYTHON:-}" ]]; then
-  if [[ -x /work/venv/bin/python ]]; then PYTHON=/work/venv/bin/python; else PYTHON=python3; fi
+  PYTHON="$(command -v python || command -v python3)"
 fi
 export PAGEDQVG_KERNELS=triton
 export TRITON_INTERPRET=1

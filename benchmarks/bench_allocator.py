@@ -4,7 +4,8 @@
 
 Prints a Markdown table; times are medians of repeated runs (host time, shared machine: read them as orders of
 magnitude). Baselines side by side in the same process: a plain Python list scanned linearly for the index, and
-`torch.empty` of a page-sized tensor per page for the pool (what a per-segment allocator pays).
+`torch.empty` per 4 KiB page and `torch.empty` once per 46-page segment for the pool (what a per-segment allocator
+pays: one allocation per chunk, of any size).
 """
 
 from __future__ import annotations
@@ -42,10 +43,15 @@ def bench_pool(pages: int, batch: int) -> list[tuple[str, float]]:
         held = [torch.empty(4096, dtype=torch.uint8) for _ in range(pages)]
         del held
 
+    def cycle_torch_segments():
+        held = [torch.empty(4096 * batch, dtype=torch.uint8) for _ in range(pages // batch)]
+        del held
+
     n = (pages // batch) * batch
     return [
         (f"BlockPool alloc+free, {batch} pages per call (ns/page)", timed(cycle_pool) / n * 1e9),
         ("torch.empty per 4 KiB page, baseline (ns/page)", timed(cycle_torch) / pages * 1e9),
+        (f"torch.empty per {batch}-page segment, baseline (ns/page)", timed(cycle_torch_segments) / n * 1e9),
     ]
 
 
@@ -92,7 +98,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--segments", type=int, default=10_000)
     ap.add_argument("--pages", type=int, default=20_000)
     args = ap.parse_args(argv)
-    rows = bench_pool(args.pages, 1) + bench_pool(args.pages, 46)[:1] + bench_index(args.segments)
+    rows = bench_pool(args.pages, 1)[:2] + bench_pool(args.pages, 46)[::2] + bench_index(args.segments)
     print("| operation | time |\n|---|---:|")
     for name, value in rows:
         print(f"| {name} | {value:,.2f} |")

@@ -164,8 +164,8 @@ def bench_host_overhead(repeats: int) -> dict:
 
 def bench_resident(chunks: int) -> list[dict]:
     """Resident K/V bytes of one layer at the LingBot chunk size (4,680 tokens) over a run of `chunks` chunks, all
-    three designs, exact. Heads are scaled from 40 to 2 and pages from 2 MiB to 128 KiB with them, so bytes per head
-    and page rounding match the full-size layer (the ratios are the full-size ratios)."""
+    three designs, exact. Heads are scaled from 40 to 2 and pages from 2 MiB to 128 KiB (bytes per head are those of
+    the full-size layer; page rounding is not: full-size figures come from `pagedqvg plan`, tested against the pool)."""
     shape = dict(heads=2, head_dim=128, tpf=1560, chunk_frames=3, sink_frames=3, window_frames=18)
     g = geometry(shape)
     rows = []

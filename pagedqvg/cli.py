@@ -557,6 +557,13 @@ def cmd_simulate(args: argparse.Namespace) -> int:
     w = workload_from_args(args)
     geom = Geometry.from_workload(w)
     out_dir = Path(args.out)
+    try:  # before the run: an unusable output folder is bad input, not a traceback after minutes of work
+        out_dir.mkdir(parents=True, exist_ok=True)
+        probe = out_dir / ".pagedqvg-write-test"
+        probe.write_text("")
+        probe.unlink()
+    except OSError as exc:
+        raise UsageError(f"--out {args.out}: cannot write there ({exc.strerror or exc})") from None
     accounting = None
     if args.dry_run:
         timeline = sim.run_accounting(geom, w.chunks, progress=args.progress)

@@ -273,3 +273,11 @@ def test_simulate_without_arguments(capsys, tmp_path: Path, monkeypatch) -> None
     assert (tmp_path / "pagedqvg-out" / "timeline.json").exists()
     assert (tmp_path / "pagedqvg-out" / "timeline.png").exists()
     assert os.path.getsize(tmp_path / "pagedqvg-out" / "timeline.png") > 10_000
+
+
+def test_unwritable_output_folder_exits_2_before_the_run(capsys, tmp_path: Path) -> None:
+    blocker = tmp_path / "a-file"
+    blocker.write_text("")
+    assert main(["simulate", "--dry-run", "--out", str(blocker)]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith("pagedqvg: error: --out") and "cannot write there" in err[0]
