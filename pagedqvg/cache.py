@@ -136,8 +136,9 @@ class PagedCausalKVCache:
     """One layer's causal K/V cache whose bytes live in pages of a shared `BlockPool`.
 
     A drop-in for SGLang's `CausalSelfAttentionKVCache`: with quantization off every view equals the dense cache's
-    bit for bit. Host work per call is O(runs + segments in view); a repeated call with the same shape (a denoise
-    step rewriting the current chunk) reuses its cached row index and does one scatter and one gather.
+    bit for bit. A repeated call (a denoise step rewriting the current chunk) reuses its cached plan: on CPU one copy
+    per page piece of the write and two concatenations for the view; on CUDA one Triton launch each. An advance also
+    runs the eviction and pack policy (O(segments x runs)).
     """
 
     def __init__(
@@ -1015,7 +1016,8 @@ def _release_owner(pool: BlockPool, owner: str) -> None:
 
 
 def make_layer_caches(num_layers: int, *, pool: BlockPool, **kwargs) -> list[PagedCausalKVCache]:
-    """`num_layers` caches (owners `layer0`, `layer1`, ...) sharing `pool`; kwargs as PagedCausalKVCache's."""
+    """`num_layers` caches named `layer0`, `layer1`, ... (pool owners `layer0#k`, ...) sharing `pool`; kwargs as
+    PagedCausalKVCache's."""
     if isinstance(num_layers, bool) or not isinstance(num_layers, int) or num_layers < 1:
         raise CacheConfigError(f"num_layers must be an int >= 1, got {num_layers!r}")
     for shared in ("global_end_index", "local_end_index", "name"):
