@@ -95,6 +95,20 @@ def effective_sink(sink_tokens: int, global_sink_tokens: int, pin_start: int, pi
     return max(global_sink_tokens, sink_tokens)
 
 
+def released_segments(index: RangeIndex, new_map: SlotMap, dropped: list[tuple[int, int]]) -> list[RangeEntry]:
+    """Entries of `index` touched by the `dropped` global ranges of a roll that no slot of `new_map` holds any more
+    (their pages go back to the pool), each once, in order. O(dropped x (log n + k) x runs)."""
+    out: list[RangeEntry] = []
+    seen: set[int] = set()
+    for g0, g1 in dropped:
+        for entry in index.overlapping(g0, g1):
+            if entry.start not in seen:
+                seen.add(entry.start)
+                if not new_map.holds_any(entry.start, entry.end):
+                    out.append(entry)
+    return out
+
+
 def view_slot_ranges(
     *,
     local_end: int,
@@ -447,15 +461,7 @@ class PagedCausalKVCache:
             if P >= 0 and self._PL > 0 and P >= E:
                 P -= ev
             # Segments whose every token left the slots go back to the pool in this call.
-            live = new_map.global_ranges()
-            seen: set[int] = set()
-            for g0, g1 in dropped:
-                for entry in self._index.overlapping(g0, g1):
-                    if entry.start in seen:
-                        continue
-                    seen.add(entry.start)
-                    if not any(a0 < entry.end and entry.start < a1 for a0, a1 in live):
-                        free_entries.append(entry)
+            free_entries = released_segments(self._index, new_map, dropped)
         else:
             le = L + a
             ls = le - n
@@ -969,9 +975,7 @@ class PagedCausalKVCache:
         for entry in removed:
             self.pool.free(entry.value.pages, self.owner)
         new_map = self._map.truncated(new_l)
-        if straddler is not None and not any(
-            g0 < straddler.end and straddler.start < g1 for g0, g1 in new_map.global_ranges()
-        ):
+        if straddler is not None and not new_map.holds_any(straddler.start, straddler.end):
             # Its remaining tokens were evicted earlier: nothing of it is in a slot any more.
             self._index.remove(straddler)
             self.pool.free(straddler.value.pages, self.owner)

@@ -39,7 +39,7 @@ from dataclasses import dataclass
 import torch
 
 from .allocator import PAGE_ALIGN_BYTES, RangeEntry, RangeIndex
-from .cache import effective_sink, view_slot_ranges
+from .cache import effective_sink, released_segments, view_slot_ranges
 from .layout import DenseTokenLayout, PackedSegmentLayout, dtype_itemsize
 from .presets import Workload
 from .quant.config import QuantConfig
@@ -331,18 +331,11 @@ class LayerReplay:
             new_map, dropped = self.map.rolled(E, ev)
             if self.P >= 0 and self.PL > 0 and self.P >= E:
                 self.P -= ev
-            live = new_map.global_ranges()
-            seen: set[int] = set()
-            for g0, g1 in dropped:
-                for entry in self.index.overlapping(g0, g1):
-                    if entry.start in seen:
-                        continue
-                    seen.add(entry.start)
-                    if not any(a0 < entry.end and entry.start < a1 for a0, a1 in live):
-                        self.index.remove(entry)
-                        del self._order[entry.start]
-                        self._bf16_done.pop(entry.start, None)
-                        self._release(entry.value)
+            for entry in released_segments(self.index, new_map, dropped):
+                self.index.remove(entry)
+                del self._order[entry.start]
+                self._bf16_done.pop(entry.start, None)
+                self._release(entry.value)
         else:
             le = L + n
             new_map = self.map

@@ -85,6 +85,10 @@ class SlotMap:
                 out.append((g0 + lo - s0, g0 + hi - s0))
         return out
 
+    def holds_any(self, g0: int, g1: int) -> bool:
+        """Whether some slot holds a token of the global range `[g0, g1)`. O(runs)."""
+        return any(r0 < g1 and g0 < r0 + s1 - s0 for s0, s1, r0 in self.runs)
+
     def global_ranges(self) -> list[tuple[int, int]]:
         """Every global range the map holds, in slot order."""
         return [(g0, g0 + s1 - s0) for s0, s1, g0 in self.runs]
