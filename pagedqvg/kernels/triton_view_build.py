@@ -23,6 +23,7 @@ import triton
 import triton.language as tl
 
 from .triton_common import NUM_WARPS, cdiv, is_interpreted, tile_for
+from .triton_tile import row_tile
 
 _RUNTIME = ["num_rows", "n_tokens", "head_start", "num_heads_in"]
 
@@ -35,22 +36,13 @@ def _view_build_kernel(
     num_rows, n_tokens, head_start, num_heads_in,
     HEAD_DIM: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_D: tl.constexpr, HEADS_PER_BLOCK: tl.constexpr,
 ):  # fmt: skip
-    pid_r = tl.program_id(0)
-    pid_h = tl.program_id(1)
     kv = tl.program_id(2)
-
-    r = pid_r * BLOCK_R + tl.arange(0, BLOCK_R)
-    rmask = r < num_rows
+    r, page, slot, h, d, mask = row_tile(
+        page_idx_ptr, slot_idx_ptr, kv.to(tl.int64) * num_rows, num_rows, num_heads_in,
+        HEAD_DIM, BLOCK_R, BLOCK_D, HEADS_PER_BLOCK,
+    )  # fmt: skip
     b = (r // n_tokens).to(tl.int64)
     t = (r % n_tokens).to(tl.int64)
-    idx = kv.to(tl.int64) * num_rows + r
-    page = tl.load(page_idx_ptr + idx, mask=rmask, other=0)
-    slot = tl.load(slot_idx_ptr + idx, mask=rmask, other=0)
-
-    c = tl.arange(0, HEADS_PER_BLOCK * BLOCK_D)
-    h = pid_h * HEADS_PER_BLOCK + c // BLOCK_D
-    d = c % BLOCK_D
-    mask = rmask[:, None] & ((h < num_heads_in) & (d < HEAD_DIM))[None, :]
 
     # Dense source rows. (Packed rows: dequantize here, in registers, into `vals` of the out dtype.)
     src = rows_ptr + (page * rs0 + slot * rs1)[:, None] + ((head_start + h) * rs2 + d * rs3)[None, :]
