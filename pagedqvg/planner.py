@@ -667,21 +667,24 @@ def plan_geometry(geom: Geometry, *, replay: bool | None = None) -> SettingPlan:
     it knows the warm-up) or the closed form (`replay=False`; O(1), no pins only; tests check that both agree).
     Default: the replay with pins or for caches of up to `REPLAY_MAX_CHUNKS` chunks, else the closed form."""
     bf16_seg, packed_seg = segment_pages(geom)
-    mode = geom.quant.mode
+    common = dict(
+        mode=geom.quant.mode,
+        quant=geom.quant,
+        caches=geom.caches,
+        page_bytes=geom.page_bytes,
+        chunk_tokens=geom.chunk_tokens,
+        bf16_segment_pages=bf16_seg,
+        packed_segment_pages=packed_seg,
+        dense_bytes=geom.dense_cache_bytes(),
+    )
     if replay is None:
         replay = bool(geom.scene_cut_every) or geom.cache_size <= REPLAY_MAX_CHUNKS * geom.chunk_tokens
     if replay or geom.scene_cut_every:
         census = replay_layer(geom)
         return SettingPlan(
-            mode=mode,
-            quant=geom.quant,
-            caches=geom.caches,
-            page_bytes=geom.page_bytes,
-            chunk_tokens=geom.chunk_tokens,
+            **common,
             bf16_segments=census.bf16_segments,
             packed_segments=census.packed_segments,
-            bf16_segment_pages=bf16_seg,
-            packed_segment_pages=packed_seg,
             pages=census.steady_pages,
             bf16_pages=census.bf16_pages,
             packed_pages=census.packed_pages,
@@ -689,32 +692,23 @@ def plan_geometry(geom: Geometry, *, replay: bool | None = None) -> SettingPlan:
             high_water_pages=census.pool_high_water(geom.caches),
             view_tokens=census.view_tokens,
             view_bytes=geom.view_bytes(census.view_tokens),
-            dense_bytes=geom.dense_cache_bytes(),
             warmup_chunks=census.steady_index + 1,
             exact_by="replay",
         )
     nb, npk = closed_form_segments(geom)
     pages = nb * bf16_seg + npk * packed_seg
     view = closed_form_view_tokens(geom)
-    used = closed_form_used_bytes(geom)
     return SettingPlan(
-        mode=mode,
-        quant=geom.quant,
-        caches=geom.caches,
-        page_bytes=geom.page_bytes,
-        chunk_tokens=geom.chunk_tokens,
+        **common,
         bf16_segments=nb,
         packed_segments=npk,
-        bf16_segment_pages=bf16_seg,
-        packed_segment_pages=packed_seg,
         pages=pages,
         bf16_pages=nb * bf16_seg,
         packed_pages=npk * packed_seg,
-        used_bytes=used,
+        used_bytes=closed_form_used_bytes(geom),
         high_water_pages=pages * geom.caches + (max(0, bf16_seg - packed_seg) if npk else 0),
         view_tokens=view,
         view_bytes=geom.view_bytes(view),
-        dense_bytes=geom.dense_cache_bytes(),
         warmup_chunks=None,
         exact_by="closed form",
     )
