@@ -248,7 +248,7 @@ class PagedCausalKVCache:
         self._map = SlotMap()
         self._index: RangeIndex[Segment] = RangeIndex()
         self._closed = False
-        self._version = 0
+        # Cached write/view plans (arena views, page pieces, row indices), dropped whenever pages or slots change.
         self._plans: dict[tuple, tuple] = {}
         self._last_view_ranges: list[tuple[int, int]] = []
         self._g_tensor = self._cursor("global_end_index", global_end_index)
@@ -523,7 +523,7 @@ class PagedCausalKVCache:
         return parts
 
     def _structure_changed(self) -> None:
-        self._version += 1
+        """Pages, segments, slots or the pin changed: every cached plan is stale."""
         self._plans.clear()
         self._last_view_ranges = []
 
@@ -544,7 +544,7 @@ class PagedCausalKVCache:
     def _write_plan(self, s: int, e: int, h0: int, hin: int) -> tuple:
         """Cached destinations of a write of tokens `[s, e)`: `("d", [(k_view, v_view, offset, m)])` of arena views
         (torch) or `("i", page_idx, slot_idx, m)` (Triton). Valid until the structure changes."""
-        key = (self._version, "w", s, e, h0, hin)
+        key = ("w", s, e, h0, hin)
         plan = self._plans.get(key)
         if plan is None:
             (part,) = self._parts([(s, e)])  # writes only ever touch dense segments
@@ -560,7 +560,7 @@ class PagedCausalKVCache:
 
     def _view_plan(self, ranges: list[tuple[int, int]], h0: int, hin: int) -> tuple[list[tuple], int]:
         """Cached sources of a view: parts with dense slices as arena views, and the token count."""
-        key = (self._version, "v", h0, hin, *ranges)
+        key = ("v", h0, hin, *ranges)
         plan = self._plans.get(key)
         if plan is None:
             parts = []
@@ -818,7 +818,7 @@ class PagedCausalKVCache:
             r = _as_index("recent_window_tokens", recent_window_tokens, self.debug_name)
             if r < 0:
                 raise ValueError(f"{self.debug_name}: recent_window_tokens={r} is negative (valid: None or >= 0)")
-        fast_key = (self._version, "call", s, n, h0, hin, r)
+        fast_key = ("call", s, n, h0, hin, r)
         fast = self._plans.get(fast_key)
         if fast is not None:  # the same in-place rewrite as before (a later denoise step): plans are all cached
             ls, le, write_plan, ranges, parts, tokens = fast
