@@ -15,25 +15,19 @@ writes anywhere it should not fails too.
 from __future__ import annotations
 
 import json
-import os
-import re
 import subprocess
 import sys
 import zlib
-from pathlib import Path
 
 import pytest
 import torch
+from triton_env import REPO, bits, clean_env, kernel_device, random_bits, rerun_interpreted  # sets TRITON_INTERPRET
 
-_CUDA = torch.cuda.is_available()
-if not _CUDA and "triton" not in sys.modules:
-    os.environ.setdefault("TRITON_INTERPRET", "1")  # before the first `import triton` (see the module docstring)
-
-from pagedqvg import BlockPool, PagedCausalKVCache  # noqa: E402
-from pagedqvg.kernels import dispatch  # noqa: E402
-from pagedqvg.kernels.page_write import page_fill_torch, page_write_torch  # noqa: E402
-from pagedqvg.kernels.triton_common import Tile, is_interpreted, tile_for  # noqa: E402
-from pagedqvg.kernels.view_build import view_build_torch  # noqa: E402
+from pagedqvg import BlockPool, PagedCausalKVCache
+from pagedqvg.kernels import dispatch
+from pagedqvg.kernels.page_write import page_fill_torch, page_write_torch
+from pagedqvg.kernels.triton_common import Tile, tile_for
+from pagedqvg.kernels.view_build import view_build_torch
 
 try:
     from pagedqvg.kernels import triton_page_write as tpw
@@ -44,39 +38,9 @@ except Exception as exc:  # pragma: no cover - depends on the install
     tpw = tvb = None
     TRITON_ERROR = f"{type(exc).__name__}: {exc}"
 
-REPO = Path(__file__).resolve().parent.parent
-
-if TRITON_ERROR is not None:
-    DEVICE = None
-    WHY = f"the Triton kernels do not import: {TRITON_ERROR}"
-elif is_interpreted(tvb._view_build_kernel):
-    DEVICE = torch.device("cpu")  # the interpreter, on CPU tensors
-    WHY = ""
-elif _CUDA:
-    DEVICE = torch.device("cuda")  # compiled kernels on the GPU
-    WHY = ""
-else:
-    DEVICE = None
-    WHY = (
-        "triton was imported in compiled mode before this module set TRITON_INTERPRET=1 and there is no CUDA device; "
-        "test_interpreter_in_subprocess runs these tests in a fresh process instead"
-    )
-
+DEVICE, WHY = kernel_device(TRITON_ERROR, tvb and tvb._view_build_kernel)
 needs_kernels = pytest.mark.skipif(DEVICE is None, reason=WHY)
 DTYPES = (torch.float32, torch.float16, torch.bfloat16)
-INT_OF = {torch.float32: torch.int32, torch.float16: torch.int16, torch.bfloat16: torch.int16}
-
-
-def bits(t: torch.Tensor) -> torch.Tensor:
-    """The same elements as integers of the same width (a view): NaN == NaN, -0.0 != 0.0."""
-    return t.view(INT_OF[t.dtype])
-
-
-def random_bits(shape, dtype: torch.dtype, gen: torch.Generator) -> torch.Tensor:
-    """Random bit patterns of `dtype` (every float class: normal, subnormal, ±0, ±inf, NaN with payloads)."""
-    it = INT_OF[dtype]
-    info = torch.iinfo(it)
-    return torch.randint(info.min, info.max, tuple(shape), dtype=torch.int64, generator=gen).to(it).view(dtype)
 
 
 def make_rows(num_pages: int, rpp: int, heads: int, d: int, dtype, gen, pad: int = 5):
@@ -325,12 +289,6 @@ def test_tile_depends_on_the_layer_shape_only():
 
 
 # ---------------------------------------------------------------------------------------------- subprocess checks
-def _clean_env(**extra: str) -> dict[str, str]:
-    env = {k: v for k, v in os.environ.items() if k not in ("TRITON_INTERPRET", "PAGEDQVG_KERNELS")}
-    env.update(extra)
-    return env
-
-
 _AOT_SCRIPT = r"""
 import json, sys, torch
 from pagedqvg.kernels import dispatch, triton_aot, triton_view_build
@@ -364,7 +322,7 @@ def test_compiled_mode_one_specialization_per_layer_shape_and_ptx():
     """In compiled mode (fresh process, TRITON_INTERPRET unset): only layer shapes are constexpr, the JIT key is the
     same for every chunk/view length at the LingBot-World and LongLive2 shapes, the kernels compile for sm_90 (no GPU
     needed) with 16-byte vector loads/stores, and forcing Triton on CPU tensors says how to fix it."""
-    env = _clean_env(PAGEDQVG_KERNELS="triton", TRITON_DEFAULT_FP_FUSION="1")
+    env = clean_env(PAGEDQVG_KERNELS="triton", TRITON_DEFAULT_FP_FUSION="1")
     proc = subprocess.run(
         [sys.executable, "-c", _AOT_SCRIPT, "compile"], cwd=REPO, env=env, capture_output=True, text=True, timeout=600
     )
@@ -393,13 +351,4 @@ def test_compiled_mode_one_specialization_per_layer_shape_and_ptx():
 @pytest.mark.skipif(DEVICE is not None or TRITON_ERROR is not None, reason="the kernels already run in this process")
 def test_interpreter_in_subprocess():
     """Fallback when this process imported triton in compiled mode and has no GPU: rerun this file interpreted."""
-    proc = subprocess.run(
-        [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", str(Path(__file__).resolve())],
-        cwd=REPO, env=_clean_env(TRITON_INTERPRET="1"), capture_output=True, text=True, timeout=1800,
-    )  # fmt: skip
-    assert proc.returncode == 0, proc.stdout[-6000:] + proc.stderr[-2000:]
-    summary = proc.stdout.strip().splitlines()[-1]
-    passed = re.search(r"(\d+) passed", summary)
-    skipped = re.search(r"(\d+) skipped", summary)
-    # In the child only this fallback itself may skip.
-    assert passed and int(passed.group(1)) > 0 and (not skipped or int(skipped.group(1)) <= 1), summary
+    rerun_interpreted(__file__)

@@ -21,27 +21,21 @@ on CUDA tensors with compiled kernels.
 from __future__ import annotations
 
 import json
-import os
 import re
 import subprocess
 import sys
 import zlib
-from pathlib import Path
 
 import pytest
 import torch
+from triton_env import REPO, bits, clean_env, kernel_device, random_bits, rerun_interpreted  # sets TRITON_INTERPRET
 
-_CUDA = torch.cuda.is_available()
-if not _CUDA and "triton" not in sys.modules:
-    os.environ.setdefault("TRITON_INTERPRET", "1")  # before the first `import triton`
-
-from pagedqvg import BlockPool, PagedCausalKVCache  # noqa: E402
-from pagedqvg.kernels import dispatch  # noqa: E402
-from pagedqvg.kernels.dequant import packed_dequant_torch, piece_table  # noqa: E402
-from pagedqvg.kernels.kmeans import distance_error_bound, kmeans_assign_torch  # noqa: E402
-from pagedqvg.kernels.triton_common import is_interpreted  # noqa: E402
-from pagedqvg.packing import PackedStore  # noqa: E402
-from pagedqvg.quant import PackedFormat, QuantConfig, prq_dequantize, prq_quantize  # noqa: E402
+from pagedqvg import BlockPool, PagedCausalKVCache
+from pagedqvg.kernels import dispatch
+from pagedqvg.kernels.dequant import packed_dequant_torch, piece_table
+from pagedqvg.kernels.kmeans import distance_error_bound, kmeans_assign_torch
+from pagedqvg.packing import PackedStore
+from pagedqvg.quant import PackedFormat, QuantConfig, prq_dequantize, prq_quantize
 
 try:
     from pagedqvg.kernels import triton_dequant as tdq
@@ -52,34 +46,9 @@ except Exception as exc:  # pragma: no cover - depends on the install
     tdq = tkm = None
     TRITON_ERROR = f"{type(exc).__name__}: {exc}"
 
-REPO = Path(__file__).resolve().parent.parent
-
-if TRITON_ERROR is not None:
-    DEVICE = None
-    WHY = f"the Triton kernels do not import: {TRITON_ERROR}"
-elif is_interpreted(tdq._packed_dequant_kernel):
-    DEVICE = torch.device("cpu")
-    WHY = ""
-elif _CUDA:
-    DEVICE = torch.device("cuda")
-    WHY = ""
-else:
-    DEVICE = None
-    WHY = "triton was imported in compiled mode and there is no CUDA device; see test_interpreter_in_subprocess"
-
+DEVICE, WHY = kernel_device(TRITON_ERROR, tdq and tdq._packed_dequant_kernel)
 needs_kernels = pytest.mark.skipif(DEVICE is None, reason=WHY)
 DTYPES = (torch.float32, torch.float16, torch.bfloat16)
-INT_OF = {torch.float32: torch.int32, torch.float16: torch.int16, torch.bfloat16: torch.int16, torch.uint8: torch.uint8}
-
-
-def bits(t: torch.Tensor) -> torch.Tensor:
-    return t.view(INT_OF[t.dtype])
-
-
-def random_bits(shape, dtype: torch.dtype, gen: torch.Generator) -> torch.Tensor:
-    it = INT_OF[dtype]
-    info = torch.iinfo(it)
-    return torch.randint(info.min, info.max, tuple(shape), dtype=torch.int64, generator=gen).to(it).view(dtype)
 
 
 def same_bits_nan_as_nan(a: torch.Tensor, b: torch.Tensor) -> bool:
@@ -398,12 +367,6 @@ def test_kmeans_dispatch_torch_backend(monkeypatch):
 
 
 # ---------------------------------------------------------------------------------------------- subprocess checks
-def _clean_env(**extra: str) -> dict[str, str]:
-    env = {k: v for k, v in os.environ.items() if k not in ("TRITON_INTERPRET", "PAGEDQVG_KERNELS")}
-    env.update(extra)
-    return env
-
-
 _AOT_SCRIPT = r"""
 import json, torch
 from pagedqvg.kernels import triton_aot
@@ -453,7 +416,7 @@ def test_compiled_mode_specialization_and_ptx():
     """Compiled mode (fresh process, no GPU needed): one specialization per layer shape and format whatever the
     token count, head slice or piece count; the dequant kernel compiles for sm_90 and sm_80 (no fp8 hardware type
     needed) with 16-byte stores; the k-means dot products are IEEE fp32 (no TF32)."""
-    env = _clean_env(TRITON_DEFAULT_FP_FUSION="1")
+    env = clean_env(TRITON_DEFAULT_FP_FUSION="1")
     proc = subprocess.run([sys.executable, "-c", _AOT_SCRIPT], cwd=REPO, env=env, capture_output=True, text=True,
                           timeout=600)  # fmt: skip
     if proc.returncode != 0 and re.search(r"(ImportError|AttributeError|TypeError).*triton", proc.stderr[-2000:]):
@@ -475,12 +438,4 @@ def test_compiled_mode_specialization_and_ptx():
 @pytest.mark.skipif(DEVICE is not None or TRITON_ERROR is not None, reason="the kernels already run in this process")
 def test_interpreter_in_subprocess():
     """Fallback when this process imported triton in compiled mode and has no GPU: rerun this file interpreted."""
-    proc = subprocess.run(
-        [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", str(Path(__file__).resolve())],
-        cwd=REPO, env=_clean_env(TRITON_INTERPRET="1"), capture_output=True, text=True, timeout=1800,
-    )  # fmt: skip
-    assert proc.returncode == 0, proc.stdout[-6000:] + proc.stderr[-2000:]
-    summary = proc.stdout.strip().splitlines()[-1]
-    passed = re.search(r"(\d+) passed", summary)
-    skipped = re.search(r"(\d+) skipped", summary)
-    assert passed and int(passed.group(1)) > 0 and (not skipped or int(skipped.group(1)) <= 1), summary
+    rerun_interpreted(__file__)
