@@ -167,22 +167,27 @@ seeds = st.integers(0, 2**31 - 1)
 
 
 # ------------------------------------------------------------------------------------------------ the machine
+def cache_kwargs(cfg) -> dict:
+    """The PagedCausalKVCache (and DenseReferenceCache) shape arguments of a drawn config."""
+    return dict(
+        batch_size=cfg["B"],
+        cache_size=cfg["C"],
+        num_heads=cfg["H"],
+        head_dim=cfg["D"],
+        sink_tokens=cfg["S"],
+        attention_window_size=cfg["W"],
+        global_sink_tokens=cfg["GS"],
+        allow_growth=cfg["grow"],
+    )
+
+
 class PagedCacheMachine(RuleBasedStateMachine):
     @initialize(cfg=configs())
     def setup(self, cfg):
         note(f"config: {cfg}")
         self.cfg = cfg
         self.pool = BlockPool(capacity_bytes=pool_pages_needed(cfg) * cfg["page_bytes"], page_bytes=cfg["page_bytes"])
-        kw = dict(
-            batch_size=cfg["B"],
-            cache_size=cfg["C"],
-            num_heads=cfg["H"],
-            head_dim=cfg["D"],
-            sink_tokens=cfg["S"],
-            attention_window_size=cfg["W"],
-            global_sink_tokens=cfg["GS"],
-            allow_growth=cfg["grow"],
-        )
+        kw = cache_kwargs(cfg)
         self.caches = [
             PagedCausalKVCache(pool=self.pool, dtype=cfg["dtype"], device="cpu", use_int_indices=cfg["use_int"], **kw)
             for _ in range(NUM_LAYERS)
@@ -591,16 +596,7 @@ def test_pool_exhaustion_random(cfg, seed, extra):
     per = pages_for(cfg, a)
     extra = extra % per  # room for fewer than 3 chunks; two layers hold at least 4 once they are full
     pool = BlockPool(capacity_bytes=(per * 2 + extra) * cfg["page_bytes"], page_bytes=cfg["page_bytes"])
-    kw = dict(
-        batch_size=cfg["B"],
-        cache_size=cfg["C"],
-        num_heads=cfg["H"],
-        head_dim=cfg["D"],
-        sink_tokens=cfg["S"],
-        attention_window_size=cfg["W"],
-        global_sink_tokens=cfg["GS"],
-        allow_growth=cfg["grow"],
-    )
+    kw = cache_kwargs(cfg)
     caches = [
         PagedCausalKVCache(pool=pool, dtype=cfg["dtype"], device="cpu", use_int_indices=cfg["use_int"], **kw)
         for _ in range(2)

@@ -53,6 +53,7 @@ from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, rule, run_state_machine_as_test
 from test_cache_fuzz import (
     SegmentModel,
+    cache_kwargs,
     head_args,
     itemsize,
     make_kv,
@@ -268,16 +269,7 @@ class QuantFuzzMachine(RuleBasedStateMachine):
         note(f"config: {cfg}")
         self.cfg = cfg
         self.pool = BlockPool(capacity_bytes=pool_pages_needed(cfg) * cfg["page_bytes"], page_bytes=cfg["page_bytes"])
-        kw = dict(
-            batch_size=cfg["B"],
-            cache_size=cfg["C"],
-            num_heads=cfg["H"],
-            head_dim=D,
-            sink_tokens=cfg["S"],
-            attention_window_size=cfg["W"],
-            global_sink_tokens=cfg["GS"],
-            allow_growth=cfg["grow"],
-        )
+        kw = cache_kwargs(cfg)
         ckw = dict(kw, pool=self.pool, dtype=cfg["dtype"], device="cpu", use_int_indices=cfg["use_int"])
         self.plain = [PagedCausalKVCache(name=f"plain{i}", **ckw) for i in range(NUM_LAYERS)]
         self.quant = [
