@@ -21,7 +21,7 @@ from .errors import CacheClosedError, CacheConfigError, SequencingError
 from .kernels import kernel_backend, page_fill, page_write, view_build
 from .kernels.rows import segment_row_index, token_rows
 from .layout import DenseTokenLayout, page_pieces
-from .packing import PackedStore
+from .packing import PackedStore, QuantizedChunk
 from .quant import QuantConfig
 from .slot_map import SlotMap
 from .view import CausalAttentionKVView
@@ -61,7 +61,7 @@ class _WritePlan:
     slot_map: SlotMap
     free_entries: list[RangeEntry[Segment]] = field(default_factory=list)
     unpack_entries: list[RangeEntry[Segment]] = field(default_factory=list)
-    pressure_entries: list[tuple] = field(default_factory=list)  # (entry, token rows, codebook rows), quantized
+    pressure_entries: list[tuple] = field(default_factory=list)  # (entry, QuantizedChunk): packed before the commit
 
 
 def _as_index(name: str, value: object, debug_name: str) -> int:
@@ -666,24 +666,24 @@ class PagedCausalKVCache:
         if self._packed_net_pages(entry) + self.pool.num_free_pages < 0:
             return False
         try:
-            tok, cb = store.quantize(self._read_dense(entry))
+            quantized = store.quantize(self._read_dense(entry))
         except ValueError as exc:
             self.pack_skipped += 1
             entry.value.pack_failed = True
             warnings.warn(f"{self.debug_name}: chunk [{entry.start}, {entry.end}) stays unpacked: {exc}", stacklevel=4)
             return False
-        self._store_packed(entry, tok, cb)
+        self._store_packed(entry, quantized)
         return True
 
-    def _store_packed(self, entry: RangeEntry[Segment], tok: torch.Tensor, cb: torch.Tensor) -> None:
-        """Swap a dense segment's pages for packed pages holding `tok`/`cb` (from `PackedStore.quantize`)."""
+    def _store_packed(self, entry: RangeEntry[Segment], quantized: QuantizedChunk) -> None:
+        """Swap a dense segment's pages for packed pages holding `quantized` (from `PackedStore.quantize`)."""
         store = self._packed
         assert store is not None
         n = entry.end - entry.start
         self.pool.free(entry.value.pages, self.owner)
         pages = self.pool.alloc(store.pages_for_tokens(n), self.owner)
         n_tok = store.token_pages(n)
-        store.write(pages[:n_tok], pages[n_tok:], tok, cb)
+        store.write(pages[:n_tok], pages[n_tok:], quantized)
         entry.value = Segment(pages, None, "packed", n_tok)
 
     def _dequantize_segment(self, entry: RangeEntry[Segment]) -> torch.Tensor:
@@ -737,7 +737,8 @@ class PagedCausalKVCache:
 
     def _pressure_plan(self, deficit: int, plan: _WritePlan, s: int, e: int) -> list[tuple]:
         """Dense chunks to pack early so that `deficit` more pages become free, oldest first (non-sink before
-        sink), each already quantized (`(entry, token_rows, codebook_rows)`; nothing changes here); empty if even
+        sink), each already quantized and packed into compact rows (`(entry, QuantizedChunk)`; nothing changes
+        here); empty if even
         packing all of them would not be enough."""
         excluded = {x.start for x in plan.free_entries} | {x.start for x in plan.unpack_entries}
         sinks = self._sink_segment_starts()
@@ -754,10 +755,10 @@ class PagedCausalKVCache:
             if gain <= 0 or entry.value.pack_failed:
                 continue
             try:
-                tok, cb = self._packed.quantize(self._read_dense(entry))
+                quantized = self._packed.pack_rows(self._packed.quantize(self._read_dense(entry)))
             except ValueError:  # non-finite values: this chunk cannot be packed
                 continue
-            chosen.append((entry, tok, cb))
+            chosen.append((entry, quantized))
             deficit -= gain
         return chosen if deficit <= 0 else []
 
@@ -859,8 +860,8 @@ class PagedCausalKVCache:
             )
             unpacked = [(x, self._dequantize_segment(x)) for x in order]
             self._structure_changed()
-            for x, tok, cb in plan.pressure_entries:
-                self._store_packed(x, tok, cb)
+            for x, quantized in plan.pressure_entries:
+                self._store_packed(x, quantized)
             for x in plan.free_entries:
                 self._index.remove(x)
                 pool.free(x.value.pages, self.owner)

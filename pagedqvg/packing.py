@@ -1,9 +1,13 @@
 """Packed (PRQ) segments in pool pages: quantize a dense segment into pages, read and dequantize token ranges.
 
 Geometry comes from `layout.PackedSegmentLayout` and bytes from `quant.format.PackedFormat`; this module only
-moves rows between pages and the torch PRQ reference (`quant.prq`). Token pages are read as slices (whole tokens per
-page), so dequantizing a visible range needs no gather: one `prq_dequantize` per page piece, for K and V and every
-batch element and head at once (they are folded into `2 * B * H` heads, the order the rows are stored in).
+moves rows between pages and the PRQ steps. Packing is `quantize` (`quant.prq.prq_kmeans`, its assign and update
+steps through the kernel dispatch: Triton k-means kernels on CUDA) and then `write`, whose `residual_pack`
+block-quantizes the final residuals straight into the token pages (one launch; torch reference on CPU).
+
+Token pages are read as slices (whole tokens per page), so dequantizing a visible range needs no gather: one
+`prq_dequantize` per page piece, for K and V and every batch element and head at once (they are folded into
+`2 * B * H` heads, the order the rows are stored in).
 
 With the Triton backend (`kernels.kernel_backend`: CUDA, or PAGEDQVG_KERNELS=triton), `dequantize_into` instead
 describes the range as a piece table and makes one `packed_dequant` launch that reads token and codebook pages
@@ -13,16 +17,39 @@ several segments at once (one launch per view). The values are the same bits as 
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 
 from .allocator import BlockPool
 from .kernels.dequant import piece_table
-from .kernels.dispatch import kernel_backend, packed_dequant
+from .kernels.dispatch import kernel_backend, kmeans_assign, kmeans_update, packed_dequant, residual_pack
 from .layout import PackedSegmentLayout, page_pieces
-from .quant import PackedFormat, QuantConfig, prq_dequantize, prq_quantize
+from .quant import PackedFormat, QuantConfig, prq_dequantize, prq_kmeans
 
 #: Elements dequantized per step on the torch path (fp32 temporaries stay at a few MiB whatever the view size).
 DEQUANT_TILE_ELEMS = 1 << 18
+
+
+@dataclass(frozen=True, slots=True)
+class QuantizedChunk:
+    """A chunk between `PackedStore.quantize` and `PackedStore.write`: nothing of the cache has changed yet.
+
+    resid: float32 `[2*B*H, n, D]` final residuals, folded heads in storage order (kv, b, h); None once packed.
+    ids: uint8 `[2*B*H, n, stages]` centroid ids; None once packed.
+    codebook_rows: uint8 `[2*B*H*stages, codebook_row_bytes]` in (kv, b, h, stage) order.
+    token_rows: uint8 `[n, 1, 2*B*row_bytes]` packed token rows (`PackedStore.pack_rows`), else None.
+    """
+
+    resid: torch.Tensor | None
+    ids: torch.Tensor | None
+    codebook_rows: torch.Tensor
+    token_rows: torch.Tensor | None = None
+
+    @property
+    def num_tokens(self) -> int:
+        """Tokens in the chunk (n)."""
+        return int(self.token_rows.shape[0] if self.token_rows is not None else self.resid.shape[1])
 
 
 class PackedStore:
@@ -49,7 +76,9 @@ class PackedStore:
             )
         raw = pool.pages_as(torch.uint8)
         row = self.fmt.token_row_bytes
-        self.token_view = raw[:, : self.tpp * 2 * batch_size * row].view(pool.num_pages, self.tpp, 2, batch_size, row)
+        slots = raw[:, : self.tpp * 2 * batch_size * row]
+        self.token_view = slots.view(pool.num_pages, self.tpp, 2, batch_size, row)
+        self.token_slots = slots.view(pool.num_pages, self.tpp, -1)  # the same bytes: where `residual_pack` writes
         self.cb_rpp = cb.rows_per_page
         self.codebook_view = raw[:, : cb.rows_per_page * cb.row_bytes].view(pool.num_pages, cb.rows_per_page, -1)
         self.num_cb_rows = 2 * batch_size * self.layout.codebook_rows
@@ -67,27 +96,49 @@ class PackedStore:
         return self.layout.pages_for_tokens(tokens)
 
     # ------------------------------------------------------------------ pack
-    def quantize(self, dense: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """Dense K/V `[2, n, B, H, D]` → (token rows uint8 `[n, 2, B, row_bytes]`, codebook rows uint8
-        `[2*B*H*stages, codebook_row_bytes]` in (kv, b, h, stage) order). Every (kv, batch, head) gets its own
-        codebooks. Raises ValueError on non-finite values (nothing is written)."""
+    def quantize(self, dense: torch.Tensor) -> QuantizedChunk:
+        """Dense K/V `[2, n, B, H, D]` → its k-means stages done (`QuantizedChunk`: final residuals, ids and
+        codebook rows); `write` block-quantizes the residuals straight into pages. Every (kv, batch, head) gets its
+        own codebooks; K and V are each one `prq_kmeans` over B*H folded heads (assign/update through the kernel
+        dispatch: Triton on CUDA). Raises ValueError on non-finite values (nothing is written anywhere)."""
         _, n, B, H, D = dense.shape
-        tok_parts, cb_parts = [], []
-        for kv in range(2):
-            seg = prq_quantize(dense[kv].reshape(n, B * H, D), self.cfg)
-            tok_parts.append(seg.token_rows.view(n, B, -1))
-            cb_parts.append(self.fmt_batch.pack_codebooks(seg.codebooks))
-        return torch.stack(tok_parts, dim=1), torch.cat(cb_parts, dim=0)
+        parts = [
+            prq_kmeans(dense[kv].reshape(n, B * H, D), self.cfg, assign=kmeans_assign, update=kmeans_update)
+            for kv in range(2)
+        ]
+        codebooks = self.fmt_all.pack_codebooks(torch.cat([p.codebooks for p in parts]))
+        return QuantizedChunk(
+            resid=torch.cat([p.resid for p in parts]), ids=torch.cat([p.ids for p in parts]), codebook_rows=codebooks
+        )
 
-    def write(self, tok_pages: list[int], cb_pages: list[int], tok: torch.Tensor, cb: torch.Tensor) -> None:
-        """Store rows produced by `quantize` into a packed segment's pages."""
-        o = 0
-        for page, a, b in page_pieces(tok_pages, self.tpp, 0, tok.shape[0]):
-            self.token_view[page, a:b].copy_(tok[o : o + b - a])
-            o += b - a
+    def pack_rows(self, q: QuantizedChunk) -> QuantizedChunk:
+        """`q` with its residuals packed into compact token rows (uint8 `[n, 1, 2*B*row_bytes]`, a few % of the
+        float32 residuals) for callers that hold several chunks before writing them (pack under pressure)."""
+        if q.token_rows is not None:
+            return q
+        n = q.resid.shape[1]
+        rows = torch.empty(n, 1, self.fmt_all.token_row_bytes, dtype=torch.uint8, device=q.resid.device)
+        idx = torch.arange(n, device=q.resid.device)
+        residual_pack(q.resid, q.ids, rows, idx, torch.zeros_like(idx), self.fmt_all)
+        return QuantizedChunk(resid=None, ids=None, codebook_rows=q.codebook_rows, token_rows=rows)
+
+    def write(self, tok_pages: list[int], cb_pages: list[int], q: QuantizedChunk) -> None:
+        """Store a `quantize` result into a packed segment's pages: one `residual_pack` (one Triton launch) writes
+        every token record straight into its token page; codebook rows are copied page by page."""
+        n = q.num_tokens
+        if q.token_rows is None:
+            t = torch.arange(n)
+            pages = torch.tensor(tok_pages, dtype=torch.int64)[t // self.tpp]
+            idx = torch.stack([pages, t % self.tpp]).to(self.token_slots.device)  # one host->device copy
+            residual_pack(q.resid, q.ids, self.token_slots, idx[0], idx[1], self.fmt_all)
+        else:
+            o = 0
+            for page, a, b in page_pieces(tok_pages, self.tpp, 0, n):
+                self.token_view[page, a:b].copy_(q.token_rows[o : o + b - a].view(b - a, 2, self.batch_size, -1))
+                o += b - a
         o = 0
         for page, a, b in page_pieces(cb_pages, self.cb_rpp, 0, self.num_cb_rows):
-            self.codebook_view[page, a:b].copy_(cb[o : o + b - a])
+            self.codebook_view[page, a:b].copy_(q.codebook_rows[o : o + b - a])
             o += b - a
 
     # ------------------------------------------------------------------ read

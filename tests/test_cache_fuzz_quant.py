@@ -964,8 +964,8 @@ def test_machine_detects_rows_packed_out_of_place(monkeypatch):
     real = PackedStore.quantize
 
     def shifted(self, dense):
-        tok, cb = real(self, dense)
-        return tok.roll(1, 0), cb
+        q = real(self, dense)
+        return dataclasses.replace(q, resid=q.resid.roll(1, 1), ids=q.ids.roll(1, 1))
 
     monkeypatch.setattr(PackedStore, "quantize", shifted)
     with pytest.raises(AssertionError, match="exceeds"):

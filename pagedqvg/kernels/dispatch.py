@@ -24,8 +24,9 @@ from functools import cache
 import torch
 
 from .dequant import packed_dequant_torch
-from .kmeans import kmeans_assign_torch
+from .kmeans import kmeans_assign_torch, kmeans_update_torch
 from .page_write import page_fill_torch, page_write_torch
+from .residual_pack import residual_pack_torch
 from .view_build import view_build_torch
 
 _VALID = ("auto", "torch", "triton")
@@ -42,7 +43,7 @@ def _choice() -> str:
 def _triton_import_error() -> str | None:
     """None when the Triton kernel modules import, else why not (cached: one import attempt per process)."""
     try:
-        from . import triton_dequant, triton_kmeans, triton_page_write, triton_view_build  # noqa: F401
+        from . import triton_dequant, triton_kmeans, triton_page_write, triton_residual_pack, triton_view_build  # noqa: F401
     except Exception as exc:  # ImportError, or a broken triton install failing at import
         return f"{type(exc).__name__}: {exc}"
     return None
@@ -93,7 +94,7 @@ def _triton(device: torch.device):
             f"PAGEDQVG_KERNELS=triton but the Triton kernels cannot be imported ({err}); install triton or set "
             f"PAGEDQVG_KERNELS=torch"
         )
-    from . import triton_dequant, triton_kmeans, triton_page_write, triton_view_build
+    from . import triton_dequant, triton_kmeans, triton_page_write, triton_residual_pack, triton_view_build
     from .triton_common import is_interpreted
 
     if device.type != "cuda" and not is_interpreted(triton_view_build._view_build_kernel):
@@ -102,7 +103,7 @@ def _triton(device: torch.device):
             f"the environment before triton and pagedqvg's Triton kernels are imported; set it at process start, "
             f"or set PAGEDQVG_KERNELS=torch (or auto) for {device.type} tensors"
         )
-    return triton_page_write, triton_view_build, triton_dequant, triton_kmeans
+    return triton_page_write, triton_view_build, triton_dequant, triton_kmeans, triton_residual_pack
 
 
 def page_write(rows, page_idx, slot_idx, head_start, key, value) -> None:
@@ -151,3 +152,25 @@ def kmeans_assign(x, c):
     if kernel_backend(x.device) == "triton":
         return _triton(x.device)[3].kmeans_assign_triton(x, c)
     return kmeans_assign_torch(x, c)
+
+
+def kmeans_update(x, ids, c_old):
+    """Cluster means float32 [H, K, D] of x [H, S, D] by ids int64 [H, S]; empty clusters keep c_old (see kmeans.py;
+    Triton sums in another fixed order: equal within `kmeans.update_error_bound`)."""
+    if kernel_backend(x.device) == "triton":
+        if os.environ.get("PAGEDQVG_KERNEL_CHECKS", "0") == "1" and ids.numel():
+            lo, hi = int(ids.min()), int(ids.max())
+            if lo < 0 or hi >= c_old.shape[1]:
+                raise IndexError(f"centroid id out of range: {lo}..{hi}, valid 0..{c_old.shape[1] - 1}")
+        return _triton(x.device)[3].kmeans_update_triton(x, ids, c_old)
+    return kmeans_update_torch(x, ids, c_old)
+
+
+def residual_pack(resid, ids, dest, page_idx, slot_idx, fmt) -> None:
+    """Block-quantize PRQ's final residual and write packed records to (page, slot) token slots (see
+    residual_pack.py). Same bytes on both backends."""
+    if kernel_backend(dest.device) == "triton":
+        _check_rows(dest, page_idx, slot_idx)
+        _triton(dest.device)[4].residual_pack_triton(resid, ids, dest, page_idx, slot_idx, fmt)
+    else:
+        residual_pack_torch(resid, ids, dest, page_idx, slot_idx, fmt)

@@ -1,4 +1,5 @@
-"""k-means assignment (the inner step of PRQ's k-means): nearest centroid by squared L2, ties to the lowest index.
+"""The two steps of PRQ's k-means: assignment (nearest centroid by squared L2, ties to the lowest index) and
+update (cluster means; an empty cluster keeps its centroid).
 
 The torch reference is `quant.prq._assign` itself (the quantizer's own code, so the two can never drift apart): it
 ranks centroids by `||c||^2 - 2 x.c` (dropping the per-token constant `||x||^2`), computed with one batched matmul
@@ -16,7 +17,7 @@ from __future__ import annotations
 
 import torch
 
-from ..quant.prq import _assign
+from ..quant.prq import _assign, _update
 
 
 def check_kmeans_assign(x: torch.Tensor, c: torch.Tensor) -> None:
@@ -35,6 +36,41 @@ def kmeans_assign_torch(x: torch.Tensor, c: torch.Tensor) -> torch.Tensor:
     """Reference: `quant.prq._assign`. x [H, S, D], c [H, K, D] float32 -> int64 [H, S] (nearest centroid id)."""
     check_kmeans_assign(x, c)
     return _assign(x, c)
+
+
+def check_kmeans_update(x: torch.Tensor, ids: torch.Tensor, c_old: torch.Tensor) -> None:
+    """Shape/dtype checks shared by the update reference and the Triton launch (no data is read)."""
+    check_kmeans_assign(x, c_old)
+    if ids.dtype != torch.int64 or tuple(ids.shape) != tuple(x.shape[:2]) or ids.device != x.device:
+        raise ValueError(f"ids must be int64 [H, S] = {tuple(x.shape[:2])} on {x.device}, got {ids.dtype} "
+                         f"{tuple(ids.shape)} on {ids.device}")  # fmt: skip
+
+
+def kmeans_update_torch(x: torch.Tensor, ids: torch.Tensor, c_old: torch.Tensor) -> torch.Tensor:
+    """Reference: `quant.prq._update`. Cluster means float32 [H, K, D] of x [H, S, D] grouped by ids int64 [H, S]
+    (0..K-1); empty clusters keep `c_old`. Deterministic (one-hot matmuls in a fixed tile order, no atomics)."""
+    check_kmeans_update(x, ids, c_old)
+    return _update(x, ids, c_old)
+
+
+def update_error_bound(x: torch.Tensor, ids: torch.Tensor, c_old: torch.Tensor) -> torch.Tensor:
+    """Per (h, k, d) bound on |computed mean - exact mean| for any fp32 summation order (float64 [H, K, D], for
+    tests): a sum of n terms is off by at most (n - 1) * 2^-24 * sum |x|, the division adds half an ulp."""
+    H, K = x.shape[0], c_old.shape[1]
+    onehot = torch.zeros(H, x.shape[1], K, dtype=torch.float64, device=x.device).scatter_(2, ids[..., None], 1.0)
+    counts = onehot.sum(1)[..., None]  # [H, K, 1]
+    abs_sum = torch.bmm(onehot.transpose(1, 2), x.double().abs())  # [H, K, D]
+    mean_abs = abs_sum / counts.clamp(min=1.0)
+    return (counts - 1).clamp(min=0) * 2.0**-24 * mean_abs + 2.0**-24 * mean_abs
+
+
+def exact_means(x: torch.Tensor, ids: torch.Tensor, c_old: torch.Tensor) -> torch.Tensor:
+    """Cluster means in float64 (empty clusters: c_old), for tests."""
+    H, K = x.shape[0], c_old.shape[1]
+    onehot = torch.zeros(H, x.shape[1], K, dtype=torch.float64, device=x.device).scatter_(2, ids[..., None], 1.0)
+    counts = onehot.sum(1)[..., None]
+    means = torch.bmm(onehot.transpose(1, 2), x.double()) / counts.clamp(min=1.0)
+    return torch.where(counts > 0, means, c_old.double())
 
 
 def distance_error_bound(x: torch.Tensor, c: torch.Tensor) -> torch.Tensor:

@@ -1,4 +1,7 @@
-"""Triton k-means assignment: the same signature and ids as `kmeans_assign_torch` (kmeans.py), up to near-ties.
+"""Triton k-means assignment and update: the signatures of `kmeans_assign_torch` / `kmeans_update_torch`
+(kmeans.py); ids equal up to near-ties, means equal up to fp32 summation order.
+
+Assignment.
 
 Grid: `(cdiv(S, BLOCK_S), H)`. Program `(i, h)` holds `BLOCK_S` tokens of head `h` (`[BLOCK_S, BLOCK_D]` in
 registers) and walks the centroids in tiles of `BLOCK_K`: `||c||^2` of the tile, `x.c` with an fp32 `tl.dot`
@@ -9,7 +12,14 @@ matrix never exists.
 
 Why ids can differ from the reference: see kmeans.py (fp32 summation order of the dot products and norms).
 
-Compile-time constants: `HEAD_DIM` and the tile; the token count `S` and the centroid count `K` are runtime and not
+Update. Grid: `(cdiv(K, BLOCK_K), H)`. Program `(j, h)` owns centroids `[j * BLOCK_K, (j + 1) * BLOCK_K)` of head `h`
+and walks the tokens in order, `BLOCK_S` at a time: a `[BLOCK_K, BLOCK_S]` one-hot tile of the ids times the
+`[BLOCK_S, D]` token tile (`tl.dot`, IEEE fp32) is added to the `[BLOCK_K, D]` sums, the one-hot row sums to the
+counts. No atomics and a fixed order, so the result is deterministic (the same bits on every run); the order differs
+from the reference's BLAS order, so means agree within `kmeans.update_error_bound` (exactly where sums are exact).
+The mean is an IEEE division (`div_rn`), an empty cluster keeps its old centroid.
+
+Compile-time constants: `HEAD_DIM` and the tiles; the token count `S` and the centroid count `K` are runtime and not
 specialized on (one compile per head_dim).
 """
 
@@ -19,7 +29,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .kmeans import check_kmeans_assign
+from .kmeans import check_kmeans_assign, check_kmeans_update
 from .triton_common import NUM_WARPS, cdiv, is_interpreted, next_pow2
 
 _RUNTIME = ["os0", "num_tokens", "num_centroids"]  # os0 = S for a contiguous out
@@ -81,6 +91,64 @@ def kmeans_assign_triton(x: torch.Tensor, c: torch.Tensor) -> torch.Tensor:
     """`kmeans_assign_torch` in one Triton launch: x [H, S, D], c [H, K, D] float32 -> int64 [H, S]."""
     out = torch.empty(x.shape[0], x.shape[1], dtype=torch.int64, device=x.device)
     launch = kmeans_assign_launch(x, c, out)
+    if launch is not None:
+        kernel, grid, args, kwargs = launch
+        kernel[grid](*args, **kwargs)
+    return out
+
+
+@triton.jit(do_not_specialize=["xs0", "is0", "num_tokens", "num_centroids"])  # xs0 = S * D, is0 = S
+def _kmeans_update_kernel(
+    x_ptr, xs0, xs1, xs2,  # float32 [H, S, D]
+    ids_ptr, is0, is1,  # int64 [H, S]
+    c_ptr, cs0, cs1, cs2,  # float32 [H, K, D], the old centroids
+    out_ptr, os0, os1, os2,  # float32 [H, K, D]
+    num_tokens, num_centroids,
+    HEAD_DIM: tl.constexpr, BLOCK_S: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_D: tl.constexpr,
+):  # fmt: skip
+    h = tl.program_id(1).to(tl.int64)
+    k = tl.program_id(0) * BLOCK_K + tl.arange(0, BLOCK_K)
+    d = tl.arange(0, BLOCK_D)
+    kmask = k < num_centroids
+    dmask = d < HEAD_DIM
+    sums = tl.zeros([BLOCK_K, BLOCK_D], tl.float32)
+    counts = tl.zeros([BLOCK_K], tl.float32)
+    for s0 in range(0, num_tokens, BLOCK_S):
+        s = s0 + tl.arange(0, BLOCK_S)
+        smask = s < num_tokens
+        ids = tl.load(ids_ptr + h * is0 + s * is1, mask=smask, other=-1)
+        x = tl.load(x_ptr + h * xs0 + (s * xs1)[:, None] + (d * xs2)[None, :], mask=smask[:, None] & dmask[None, :],
+                    other=0.0)  # fmt: skip
+        onehot = (k[:, None] == ids[None, :]).to(tl.float32)  # [BLOCK_K, BLOCK_S]
+        sums = tl.dot(onehot, x, acc=sums, input_precision="ieee")
+        counts += tl.sum(onehot, axis=1)
+    mask = kmask[:, None] & dmask[None, :]
+    old = tl.load(c_ptr + h * cs0 + (k * cs1)[:, None] + (d * cs2)[None, :], mask=mask, other=0.0)
+    means = tl.math.div_rn(sums, tl.maximum(counts, 1.0)[:, None])
+    new = tl.where(counts[:, None] > 0, means, old)
+    tl.store(out_ptr + h * os0 + (k * os1)[:, None] + (d * os2)[None, :], new, mask=mask)
+
+
+def kmeans_update_launch(x: torch.Tensor, ids: torch.Tensor, c_old: torch.Tensor, out: torch.Tensor):
+    """`(kernel, grid, args, kwargs)` of the update launch into `out` float32 [H, K, D], or None when H == 0."""
+    check_kmeans_update(x, ids, c_old)
+    if tuple(out.shape) != tuple(c_old.shape) or out.dtype != torch.float32:
+        raise ValueError(f"out must be float32 {tuple(c_old.shape)}, got {out.dtype} {tuple(out.shape)}")
+    H, S, D = x.shape
+    K = c_old.shape[1]
+    if H == 0 or K == 0:
+        return None
+    block_s = BLOCK_S_INTERPRETED if is_interpreted(_kmeans_update_kernel) else BLOCK_S
+    grid = (cdiv(K, BLOCK_K), H)
+    args = (x, *x.stride(), ids, *ids.stride(), c_old, *c_old.stride(), out, *out.stride(), S, K)
+    kwargs = dict(HEAD_DIM=D, BLOCK_S=block_s, BLOCK_K=BLOCK_K, BLOCK_D=max(16, next_pow2(D)), num_warps=NUM_WARPS)
+    return _kmeans_update_kernel, grid, args, kwargs
+
+
+def kmeans_update_triton(x: torch.Tensor, ids: torch.Tensor, c_old: torch.Tensor) -> torch.Tensor:
+    """`kmeans_update_torch` in one Triton launch: float32 [H, K, D] means (empty clusters keep `c_old`)."""
+    out = torch.empty_like(c_old, memory_format=torch.contiguous_format)
+    launch = kmeans_update_launch(x, ids, c_old, out)
     if launch is not None:
         kernel, grid, args, kwargs = launch
         kernel[grid](*args, **kwargs)

@@ -2,15 +2,18 @@
 
 from .config import QuantConfig
 from .format import FP8_DTYPE, FP8_MAX, PackedFields, PackedFormat
-from .prq import PRQSegment, prq_dequantize, prq_quantize
+from .prq import PRQResidual, PRQSegment, pack_residual_rows, prq_dequantize, prq_kmeans, prq_quantize
 
 __all__ = [
     "FP8_DTYPE",
     "FP8_MAX",
+    "PRQResidual",
     "PRQSegment",
     "PackedFields",
     "PackedFormat",
     "QuantConfig",
+    "pack_residual_rows",
     "prq_dequantize",
+    "prq_kmeans",
     "prq_quantize",
 ]

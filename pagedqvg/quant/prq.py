@@ -38,6 +38,7 @@ Numerics (everything below keeps outputs finite; inputs must be finite, else `Va
 from __future__ import annotations
 
 import functools
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -106,7 +107,7 @@ def _ieee_fp32(fn):
 
 @_ieee_fp32
 def prq_quantize(x: torch.Tensor, cfg: QuantConfig, *, init_centroids: torch.Tensor | None = None) -> PRQSegment:
-    """PRQ-pack one segment.
+    """PRQ-pack one segment: `prq_kmeans`, then `pack_residual_rows`.
 
     Args:
         x: [S, H, D] float32/float16/bfloat16 (fold a batch into heads: [S, B*H, D]); its dtype is the cache dtype.
@@ -121,6 +122,54 @@ def prq_quantize(x: torch.Tensor, cfg: QuantConfig, *, init_centroids: torch.Ten
     Raises:
         ValueError: bad shape/dtype/config, or non-finite values in x or init_centroids (with count and positions).
     """
+    km = prq_kmeans(x, cfg, init_centroids=init_centroids)
+    rows = pack_residual_rows(km.resid, km.ids, km.fmt)
+    return PRQSegment(token_rows=rows, codebooks=km.codebooks, fmt=km.fmt)
+
+
+@dataclass(slots=True)
+class PRQResidual:
+    """A segment after its k-means stages, before the final residual is block-quantized (`pack_residual_rows`).
+
+    resid: float32 [H, S, D], the final residual (clamped to +-`_RESIDUAL_CLAMP`).
+    ids: uint8 [H, S, stages], the centroid id of every stage.
+    codebooks: [H, stages, K, D] in the cache dtype.
+    fmt: the byte layout of the packed segment.
+    """
+
+    resid: torch.Tensor
+    ids: torch.Tensor
+    codebooks: torch.Tensor
+    fmt: PackedFormat
+
+
+#: `assign(x [H, S, D], c [H, K, D]) -> int64 [H, S]` and `update(x, ids, c_old) -> c [H, K, D]`, all float32.
+AssignFn = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
+UpdateFn = Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
+
+
+@_ieee_fp32
+def prq_kmeans(
+    x: torch.Tensor,
+    cfg: QuantConfig,
+    *,
+    init_centroids: torch.Tensor | None = None,
+    assign: AssignFn | None = None,
+    update: UpdateFn | None = None,
+) -> PRQResidual:
+    """The k-means stages of PRQ (step 1 of the module docstring): codebooks, ids and the final residual.
+
+    Args:
+        x, cfg, init_centroids: as `prq_quantize`.
+        assign, update: the k-means steps (default: this module's torch `_assign` / `_update`). The cache passes
+            the dispatching versions (kernels/dispatch.py: Triton on CUDA), which may pick the other centroid of a
+            near-tie (kernels/kmeans.py) and round centroid sums in another order.
+
+    Raises:
+        ValueError: as `prq_quantize` (nothing is computed for a bad input).
+    """
+    assign = assign or _assign
+    update = update or _update
     if not isinstance(x, torch.Tensor) or x.dim() != 3:
         raise ValueError(f"prq_quantize: x must be a [S, H, D] tensor, got {getattr(x, 'shape', type(x))}")
     if x.dtype not in CACHE_DTYPES:
@@ -136,18 +185,14 @@ def prq_quantize(x: torch.Tensor, cfg: QuantConfig, *, init_centroids: torch.Ten
             )
         _check_finite("init_centroids", init_centroids, ("head", "stage", "centroid", "channel"))
     device = x.device
+    resid = x.float().transpose(0, 1).contiguous()  # [H, S, D] fp32
+    codebooks = torch.zeros(H, stages, K, D, dtype=x.dtype, device=device)
+    ids = torch.zeros(H, S, stages, dtype=torch.uint8, device=device)
     if S == 0:
-        return PRQSegment(
-            token_rows=torch.empty(0, fmt.token_row_bytes, dtype=torch.uint8, device=device),
-            codebooks=torch.zeros(H, stages, K, D, dtype=x.dtype, device=device),
-            fmt=fmt,
-        )
+        return PRQResidual(resid=resid, ids=ids, codebooks=codebooks, fmt=fmt)
 
     gen = torch.Generator(device="cpu").manual_seed(cfg.seed)
-    resid = x.float().transpose(0, 1).contiguous()  # [H, S, D] fp32
     dmax = torch.finfo(x.dtype).max
-    codebooks = torch.empty(H, stages, K, D, dtype=x.dtype, device=device)
-    ids = torch.empty(H, S, stages, dtype=torch.uint8, device=device)
     heads = torch.arange(H, device=device)[:, None]
     for stage in range(stages):
         # Work in units of a per-head power of two >= max|resid| (exact; see module docstring).
@@ -162,18 +207,22 @@ def prq_quantize(x: torch.Tensor, cfg: QuantConfig, *, init_centroids: torch.Ten
             idx = torch.randint(S, (H, K), generator=gen).to(device)
             cn = xn[heads, idx]  # [H, K, D]
         for _ in range(cfg.kmeans_iters):
-            cn = _update(xn, _assign(xn, cn), cn)
+            cn = update(xn, assign(xn, cn), cn)
         stored = (cn * unit).clamp(-dmax, dmax).to(x.dtype)  # the codebook as the cache holds it
         cf = stored.float()
-        stage_ids = _assign(xn, cf * inv_unit)  # final ids against the stored centroids
+        stage_ids = assign(xn, cf * inv_unit)  # final ids against the stored centroids
         codebooks[:, stage] = stored
         ids[:, :, stage] = stage_ids.to(torch.uint8)
         resid = resid - cf[heads, stage_ids]
         resid.clamp_(-_RESIDUAL_CLAMP, _RESIDUAL_CLAMP)
+    return PRQResidual(resid=resid, ids=ids, codebooks=codebooks, fmt=fmt)
 
-    codes, scales, zeros = _block_quantize(resid.transpose(0, 1), cfg)  # [S, H, D], [S, H, nb] x2
-    token_rows = fmt.pack_token_rows(codes, scales, zeros, ids.transpose(0, 1))
-    return PRQSegment(token_rows=token_rows, codebooks=codebooks, fmt=fmt)
+
+def pack_residual_rows(resid: torch.Tensor, ids: torch.Tensor, fmt: PackedFormat) -> torch.Tensor:
+    """Step 2: block-quantize the final residual float32 [H, S, D] and pack it with the ids uint8 [H, S, stages]
+    into token rows uint8 [S, H * per_head_bytes] (`fmt.num_heads` = H). The reference of kernels/residual_pack."""
+    codes, scales, zeros = _block_quantize(resid.transpose(0, 1), fmt.cfg)  # [S, H, D], [S, H, nb] x2
+    return fmt.pack_token_rows(codes, scales, zeros, ids.transpose(0, 1))
 
 
 def _assign(x: torch.Tensor, c: torch.Tensor) -> torch.Tensor:
@@ -218,7 +267,7 @@ def _block_quantize(r: torch.Tensor, cfg: QuantConfig) -> tuple[torch.Tensor, to
     if cfg.asymmetric:
         lo, hi = rb.amin(dim=-1), rb.amax(dim=-1)
         scale8 = ((hi - lo) / qmax).clamp(0.0, FP8_MAX).to(FP8_DTYPE)
-        zero8 = lo.clamp(-FP8_MAX, FP8_MAX).to(FP8_DTYPE)
+        zero8 = (lo.clamp(-FP8_MAX, FP8_MAX) + 0.0).to(FP8_DTYPE)  # + 0.0: a -0.0 minimum stores +0
         s, z = scale8.float()[..., None], zero8.float()[..., None]
         q = torch.round((rb - z) / torch.where(s > 0, s, 1.0)).clamp(0.0, qmax)
         q = torch.where(s > 0, q, 0.0)
