@@ -283,21 +283,23 @@ def _store(cfg, backend, monkeypatch, B=2, H=3, D=32, dtype=torch.bfloat16):
 
 
 @needs_kernels
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16], ids=str)
 @pytest.mark.parametrize("compact", [False, True], ids=["straight-to-pages", "compact-rows"])
-def test_packed_store_triton_pages_equal_torch(monkeypatch, compact):
+def test_packed_store_triton_pages_equal_torch(monkeypatch, compact, dtype):
     """The cache's pack (quantize + write into scrambled pages) with the Triton steps writes the torch bytes, and
-    they decode to what prq_quantize of each K/V half gives."""
+    they decode to what prq_quantize of each K/V half gives. Batch 2, 23 tokens over 3 token pages."""
     cfg = QuantConfig(bits=2, centroids=4, block_size=8, pack_trits=True)
     gen = torch.Generator().manual_seed(21)
     n, B, H, D = 23, 2, 3, 32
-    dense = _clustered(2 * n * B, H, D, cfg.centroids, gen).view(2, n, B, H, D)
+    dense = _clustered(2 * n * B, H, D, cfg.centroids, gen, dtype).view(2, n, B, H, D)
     arenas = []
     for backend in ("torch", "triton"):
-        pool, store = _store(cfg, backend, monkeypatch)
+        pool, store = _store(cfg, backend, monkeypatch, dtype=dtype)
         q = store.quantize(dense.to(pool.device))
         if compact:
             q = store.pack_rows(q)
-        pages = [9, 3, 17, 5, 1, 30, 12][: store.pages_for_tokens(n)]
+        pages = torch.randperm(pool.num_pages, generator=torch.Generator().manual_seed(4))
+        pages = pages[: store.pages_for_tokens(n)].tolist()
         n_tok = store.token_pages(n)
         store.write(pages[:n_tok], pages[n_tok:], q)
         arenas.append(pool.arena.cpu())
