@@ -15,7 +15,11 @@ Packed (PRQ) parts, per shape: the same view with every segment PRQ-packed (--qu
 centroids, block 64, 1 stage; one chunk quantized for real and its bytes replicated into every segment's scrambled
 pages), dequantized segment by segment from pool pages: `packed_view_build` = the Triton kernel (one launch per
 segment: K, V and all pieces) against the torch path of PackedStore (prq_dequantize per page piece), bytes = packed
-token rows + codebooks read + the view written. `kmeans_assign` = one k-means assignment of a chunk
+token rows + codebooks read + the view written. `mixed_view_build` = the view a quantized cache returns: the
+first (sink) and the newest segment dense, every other segment packed, built by the mixed view kernel in ONE launch
+(K, V, dense copies and packed dequantization from one run table, kernels/triton_view_runs.py) against its torch
+reference; bytes = dense rows read and written + packed rows and codebooks read + packed rows written.
+`kmeans_assign` = one k-means assignment of a chunk
 (S = chunk tokens, B*H heads, K centroids, fp32) against prq's torch `_assign`; it is compute-bound, its line also
 gives TFLOP/s (2*S*K*D per head); ids may differ only on rounding-level near-ties, which are verified in fp64.
 
@@ -256,6 +260,10 @@ def bench_shape(shape: Shape, args: argparse.Namespace, device: torch.device, dt
         prow, pok = bench_packed(shape, args, device, dtype, packed)
         results.extend(prow)
         ok &= pok
+        mixed = MixedView(setup, packed, args.batch)
+        mrow, mok = bench_mixed(shape, args, device, mixed)
+        results.extend(mrow)
+        ok &= mok
         krow, kok = bench_kmeans(shape, args, device)
         results.extend(krow)
         ok &= kok
@@ -288,6 +296,19 @@ def bench_shape(shape: Shape, args: argparse.Namespace, device: torch.device, dt
             ok &= not recompiled
             print(
                 f"  compiled kernels (packed_dequant) before/after other ranges: {before} -> {after}"
+                + ("  RECOMPILED" if recompiled else "  ok")
+            )
+            from pagedqvg.kernels.triton_view_runs import _view_runs_kernel
+
+            before = _compiled(_view_runs_kernel, device)
+            for t in (1, 17, mixed.tokens // 2):
+                mixed.run(t, triton=True, tile_kw=tile_kw)
+            torch.cuda.synchronize(device)
+            after = _compiled(_view_runs_kernel, device)
+            recompiled = before != after and before is not None
+            ok &= not recompiled
+            print(
+                f"  compiled kernels (view_runs) before/after other view lengths: {before} -> {after}"
                 + ("  RECOMPILED" if recompiled else "  ok")
             )
     return results, ok
@@ -398,6 +419,75 @@ def bench_packed(shape: Shape, args, device: torch.device, dtype: torch.dtype, p
                  tile_kw=tile_kw), args, device),
         _measure(shape.name, "packed_view_build", "triton", T, ps.nbytes, partial(ps.view, triton=True,
                  tile_kw=tile_kw), args, device),
+    ]  # fmt: skip
+    _report(pair, same)
+    return pair, same
+
+
+class MixedView:
+    """A quantized cache's view over the benchmark's segments: the first (sink) and the newest segment dense (rows of
+    `setup`), the others PRQ-packed (pages of `ps`), as one run table (kernels/view_runs.py) built once, as the
+    cache builds it once per view plan (runs at most the dense tokens per page long)."""
+
+    def __init__(self, setup: Setup, ps: PackedSetup, batch: int):
+        from pagedqvg.kernels.view_runs import dense_runs, packed_runs
+
+        st = ps.store
+        self.setup, self.store = setup, st
+        self.max_run = setup.rows_per_page // (2 * batch)  # dense tokens per page
+        n_seg = len(ps.seg_tokens)
+        runs, cbs, o = [], [], 0
+        itemsize = setup.rows.element_size()
+        self.nbytes = 0
+        row_elems = setup.rows.shape[2] * setup.rows.shape[3]
+        for j, m in enumerate(ps.seg_tokens):
+            if j in (0, n_seg - 1):
+                runs += dense_runs(setup.segments[j][0].tolist(), self.max_run, 0, m, o, self.max_run)
+                self.nbytes += 2 * (2 * batch * m * row_elems * itemsize)
+            else:
+                tp, cp, _ = ps.segments[j]
+                runs += packed_runs(tp, st.tpp, 0, m, o, len(cbs), self.max_run)
+                cbs += cp
+                self.nbytes += m * 2 * batch * st.fmt.token_row_bytes + 2 * batch * m * row_elems * itemsize
+                self.nbytes += st.num_cb_rows * st.codebook_view.shape[2]
+            o += m
+        device = setup.rows.device
+        self.runs = torch.tensor(runs, dtype=torch.int64, device=device).view(-1, 6)
+        self.cb_pages = torch.tensor(cbs, dtype=torch.int64, device=device)
+        self.tokens = o
+        self.out = torch.empty(2, batch, o, *setup.rows.shape[2:], dtype=setup.rows.dtype, device=device)
+        self.out_ref = torch.empty_like(self.out)
+
+    def run(self, t: int | None = None, *, triton: bool, tile_kw: dict) -> None:
+        """The whole view (or the runs of its first `t` rows, into a `t`-row view: other view lengths)."""
+        from pagedqvg.kernels.triton_view_runs import view_runs_triton
+        from pagedqvg.kernels.view_runs import view_runs_torch
+
+        st, runs, out = self.store, self.runs, self.out if triton else self.out_ref
+        if t is not None:  # the runs of output rows [0, t), the last one cut short
+            runs = runs[runs[:, 4] < t].clone()
+            runs[:, 3] = torch.minimum(runs[:, 3], t - runs[:, 4])
+            out = out[:, :, :t]
+        args = (self.setup.rows, st.token_view, st.codebook_rows, self.cb_pages, runs, 0, out.permute(2, 0, 1, 3, 4),
+                st.fmt, self.max_run)  # fmt: skip
+        if triton:
+            view_runs_triton(*args, **tile_kw)
+        else:
+            view_runs_torch(*args)
+
+
+def bench_mixed(shape: Shape, args, device: torch.device, mv: MixedView):
+    """Mixed view build: the whole quantized view in one Triton launch against the torch reference."""
+    tile_kw = {"block_rows": args.block_rows, "block_cols": args.block_cols}
+    print(f"  mixed view: {mv.runs.shape[0]} runs (dense + packed), at most {mv.max_run} tokens each, one launch")
+    mv.run(triton=False, tile_kw=tile_kw)
+    mv.run(triton=True, tile_kw=tile_kw)
+    same = _bits_equal(mv.out, mv.out_ref)
+    pair = [
+        _measure(shape.name, "mixed_view_build", "torch", mv.tokens, mv.nbytes,
+                 partial(mv.run, triton=False, tile_kw=tile_kw), args, device),
+        _measure(shape.name, "mixed_view_build", "triton", mv.tokens, mv.nbytes,
+                 partial(mv.run, triton=True, tile_kw=tile_kw), args, device),
     ]  # fmt: skip
     _report(pair, same)
     return pair, same

@@ -19,7 +19,9 @@ import torch
 from .allocator import BlockPool, RangeEntry, RangeIndex
 from .errors import CacheClosedError, CacheConfigError, SequencingError
 from .kernels import kernel_backend, page_fill, page_write, view_build
+from .kernels.dispatch import view_runs
 from .kernels.rows import segment_row_index, token_rows
+from .kernels.view_runs import RUN_COLUMNS, dense_runs, packed_runs, zero_runs
 from .layout import DenseTokenLayout, page_pieces
 from .packing import PackedStore, QuantizedChunk
 from .quant import QuantConfig
@@ -559,12 +561,22 @@ class PagedCausalKVCache:
         return plan
 
     def _view_plan(self, ranges: list[tuple[int, int]], h0: int, hin: int) -> tuple[list[tuple], int]:
-        """Cached sources of a view: parts with dense slices as arena views, and the token count."""
+        """Cached sources of a view: parts with dense slices as arena views, and the token count.
+
+        Triton backend: a view of dense rows only is one row-index part (`view_build`, the ranges' indices
+        concatenated); a view with packed segments or zero slots is one run-table part `("r", runs, cb_pages,
+        max_run, T)` for `view_runs`, built and copied to the device here. Either way one launch per view."""
         key = ("v", h0, hin, *ranges)
         plan = self._plans.get(key)
         if plan is None:
-            parts = []
             L = self._L
+            if self._backend == "triton":
+                spans = [(self._map.to_global(a, min(b, L)), b - max(a, L)) for a, b in ranges]
+                if not self._dense_only(spans):
+                    return self._remember(key, self._run_plan(spans))
+                parts = self._parts([g for global_ranges, _ in spans for g in global_ranges])  # one "i" part
+                return self._remember(key, (parts, sum(p[-1] for p in parts)))
+            parts = []
             for a, b in ranges:
                 for part in self._parts(self._map.to_global(a, min(b, L))):
                     if part[0] == "d":
@@ -577,6 +589,51 @@ class PagedCausalKVCache:
                     parts.append(("z", b - max(a, L)))
             plan = self._remember(key, (parts, sum(p[-1] for p in parts)))
         return plan
+
+    def _dense_only(self, spans: list[tuple[list[tuple[int, int]], int]]) -> bool:
+        """Whether a view's `(global ranges, zero slots)` spans are dense rows only (no zero slots, no packed
+        segment). O(spans x (log n + k))."""
+        if any(zeros > 0 for _, zeros in spans):
+            return False
+        return not any(e.value.packed for g, _ in spans for g0, g1 in g for e in self._index.overlapping(g0, g1))
+
+    def _run_plan(self, spans: list[tuple[list[tuple[int, int]], int]]) -> tuple[list[tuple], int]:
+        """The run table of a whole view (kernels/view_runs.py) from its `(global ranges, zero slots)` spans: dense
+        and packed token runs and zero runs, plus the concatenated codebook pages of its packed segments; one
+        host->device copy. On CUDA runs are split at the dense tokens per page (the kernel's programs are then about
+        equally busy); in Triton's interpreter (CPU tensors), where a program costs milliseconds of Python whatever
+        its size, runs are only cut at page ends. O(pages of the view)."""
+        cap = self._tpp if self.device.type == "cuda" else None
+        store = self._packed
+        runs: list[tuple[int, ...]] = []
+        cb_pages: list[int] = []
+        cb_offset: dict[int, int] = {}  # id(segment) -> its codebook pages' offset in cb_pages
+        o = 0
+        for global_ranges, zeros in spans:
+            for g0, g1 in global_ranges:
+                for entry in self._index.overlapping(g0, g1):
+                    lo, hi = max(g0, entry.start) - entry.start, min(g1, entry.end) - entry.start
+                    seg = entry.value
+                    if seg.packed:
+                        assert store is not None
+                        off = cb_offset.get(id(seg))
+                        if off is None:
+                            off = cb_offset[id(seg)] = len(cb_pages)
+                            cb_pages.extend(seg.pages[seg.n_token_pages :])
+                        runs += packed_runs(seg.pages[: seg.n_token_pages], store.tpp, lo, hi, o, off, cap)
+                    else:
+                        runs += dense_runs(seg.pages, self._tpp, lo, hi, o, cap)
+                    o += hi - lo
+            if zeros > 0:
+                # Slots the cache never filled (a sink longer than the local end): zeros, as the dense cache's
+                # zero-initialised buffer reads there.
+                runs += zero_runs(o, zeros, cap)
+                o += zeros
+        desc = torch.tensor([x for run in runs for x in run] + cb_pages, dtype=torch.int64, device=self.device)
+        n = RUN_COLUMNS * len(runs)
+        table = desc[:n].view(len(runs), RUN_COLUMNS)
+        max_run = max((run[3] for run in runs), default=0)
+        return [("r", table, desc[n:] if store is not None else None, max_run, o)], o
 
     def _write(self, plan: tuple, h0: int, key: torch.Tensor, value: torch.Tensor) -> None:
         """Write key/value `[B, n, Hin, D]` into the destinations of `plan`."""
@@ -594,9 +651,20 @@ class PagedCausalKVCache:
             v_dst.copy_(value[:, o : o + m].transpose(0, 1))
 
     def _build_view(self, parts: list[tuple], h0: int, hin: int, out: torch.Tensor) -> None:
-        """Fill `out` `[2, B, T, Hin, D]`: dense rows copied, packed rows dequantized, in one pass over `parts`."""
+        """Fill `out` `[2, B, T, Hin, D]`: dense rows copied, packed rows dequantized, in one pass over `parts`.
+
+        Triton backend: one launch, `view_build` for a view of dense rows only (an `"i"` part), else `view_runs`
+        over the plan's run table (an `"r"` part). Torch backend: slice copies / concatenations, zero fills and the
+        torch dequantization of the packed runs (`PackedStore.dequantize_runs_into`)."""
         if len(parts) == 1 and parts[0][0] == "i":
             view_build(self._rows, parts[0][1], parts[0][2], h0, hin, out)
+            return
+        if len(parts) == 1 and parts[0][0] == "r":  # Triton: the whole view in one launch
+            _, runs, cb_pages, max_run, _ = parts[0]
+            st = self._packed
+            packed = (st.token_view, st.codebook_rows, cb_pages) if st is not None else (None, None, None)
+            fmt = st.fmt if st is not None else None
+            view_runs(self._rows, *packed, runs, h0, out.permute(2, 0, 1, 3, 4), fmt, max_run)
             return
         out_k, out_v = out[0].transpose(0, 1), out[1].transpose(0, 1)  # [T, B, Hin, D] (contiguous when B == 1)
         if all(part[0] == "s" for part in parts):  # dense pages only: K and V each one copy / concatenation
@@ -608,7 +676,7 @@ class PagedCausalKVCache:
                 torch.cat([part[2] for part in parts], 0, out=out_v)
             return
         out_t = out.permute(2, 0, 1, 3, 4)  # [T, 2, B, Hin, D]
-        packed_runs: list[tuple[int, list[int], list[int], int, int]] = []
+        to_dequantize: list[tuple[int, list[int], list[int], int, int]] = []
         o = 0
         for part in parts:
             kind, m = part[0], part[-1]
@@ -617,16 +685,14 @@ class PagedCausalKVCache:
                 out_v[o : o + m].copy_(part[2])
             elif kind == "z":
                 out_t[o : o + m].zero_()
-            elif kind == "i":
-                out[:, :, o : o + m] = self._rows[:, :, h0 : h0 + hin][part[1], part[2]]
             else:
                 seg, t0, t1 = part[1], part[2], part[3]
                 n_tok = seg.n_token_pages
-                packed_runs.append((o, seg.pages[:n_tok], seg.pages[n_tok:], t0, t1))
+                to_dequantize.append((o, seg.pages[:n_tok], seg.pages[n_tok:], t0, t1))
             o += m
-        if packed_runs:  # every packed run of the view: one dequantization launch on the Triton backend
+        if to_dequantize:
             assert self._packed is not None
-            self._packed.dequantize_runs_into(out_t, packed_runs, h0)
+            self._packed.dequantize_runs_into(out_t, to_dequantize, h0)
 
     def _zero_tokens(self, entry: RangeEntry[Segment], lo: int, hi: int) -> None:
         """Every head of global tokens `[lo, hi)` of a dense segment := 0."""

@@ -9,10 +9,12 @@ Token pages are read as slices (whole tokens per page), so dequantizing a visibl
 `prq_dequantize` per page piece, for K and V and every batch element and head at once (they are folded into
 `2 * B * H` heads, the order the rows are stored in).
 
-With the Triton backend (`kernels.kernel_backend`: CUDA, or PAGEDQVG_KERNELS=triton), `dequantize_into` instead
-describes the range as a piece table and makes one `packed_dequant` launch that reads token and codebook pages
-directly (kernels/dequant.py, kernels/triton_dequant.py); `dequantize_runs_into` does the same for the packed runs of
-several segments at once (one launch per view). The values are the same bits as the torch path.
+With the Triton backend (`kernels.kernel_backend`: CUDA, or PAGEDQVG_KERNELS=triton), `dequantize_into` (unpacking
+a segment for a rewrite) instead describes the range as a piece table and makes one `packed_dequant` launch that
+reads token and codebook pages directly (kernels/dequant.py, kernels/triton_dequant.py); `dequantize_runs_into`
+does the same for the packed runs of several segments at once. (Views on the Triton backend do not come here: the
+cache builds a whole view, dense, packed and zero rows, in one `view_runs` launch.) The values are the same bits as
+the torch path.
 """
 
 from __future__ import annotations

@@ -6,7 +6,9 @@ that sit in one token page: `(page, first_slot, count, out_row, cb_offset)` = re
 pages are `cb_pages[cb_offset:]`, and write them to output rows `[out_row, out_row + count)`. Built on the host from
 `layout.page_pieces` (`piece_table`); within a run `out_row` is the running sum of counts (the CSR offsets of the
 pieces). Pieces of several packed segments (each with its `cb_offset` into one concatenated `cb_pages`) go in one
-table, so a whole view's packed runs can be one launch.
+table, so several segments' packed runs can be one launch. The cache's views use the generalisation of this table
+with a kind column (view_runs.py: dense, packed and zero runs of a whole view in one launch); this packed-only form
+reads whole packed segments back (unpacking).
 
 Sources (both are views of the pool arena, see packing.PackedStore):
 

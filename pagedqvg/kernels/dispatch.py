@@ -174,3 +174,20 @@ def residual_pack(resid, ids, dest, page_idx, slot_idx, fmt) -> None:
         _triton(dest.device)[4].residual_pack_triton(resid, ids, dest, page_idx, slot_idx, fmt)
     else:
         residual_pack_torch(resid, ids, dest, page_idx, slot_idx, fmt)
+
+
+def view_runs(rows, tokens, codebooks, cb_pages, runs, head_start, out_t, fmt, max_run=None) -> None:
+    """A whole mixed view from its run table: dense rows copied, packed rows dequantized, zero rows (see
+    view_runs.py); K and V of every run in one Triton launch. `tokens`/`codebooks`/`cb_pages`/`fmt` are None for a
+    cache without packed segments."""
+    from .view_runs import check_run_values, view_runs_torch
+
+    if kernel_backend(out_t.device) == "triton":
+        if os.environ.get("PAGEDQVG_KERNEL_CHECKS", "0") == "1":
+            check_run_values(rows, tokens, codebooks, cb_pages, runs, out_t, fmt, max_run)
+        _triton(out_t.device)  # importable and runnable on this device, or a RuntimeError saying why
+        from .triton_view_runs import view_runs_triton
+
+        view_runs_triton(rows, tokens, codebooks, cb_pages, runs, head_start, out_t, fmt, max_run)
+    else:
+        view_runs_torch(rows, tokens, codebooks, cb_pages, runs, head_start, out_t, fmt, max_run)

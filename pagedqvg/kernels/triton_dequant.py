@@ -7,7 +7,9 @@ piece `p` of the piece table (pieces of one or several packed segments), token s
 in registers: per element it loads the code byte, the fp8 scale (and zero) byte of its block and, per (token, head),
 the stage ids; it decodes them with integer ops, gathers the centroids of each stage from the codebook pages, adds
 in fp32 in `prq_dequantize`'s order and stores the cache dtype. K and V, every batch element and every piece of
-every listed segment: one launch, no temporaries.
+every listed segment: one launch, no temporaries. The tile is computed by `packed_tile`, a `@triton.jit` helper
+that the mixed view build (triton_view_runs.py: dense, packed and zero runs of a whole view in one launch) calls
+too. This kernel remains for packed-only reads (`PackedStore.dequantize_into`: unpacking a segment).
 
 Bit-exactness with the torch reference (`prq_dequantize`), for every finite input:
 - fp8 e4m3 scales/zeros are decoded with integer ops into exact fp32 (no fp8 hardware type: works on sm_80, and
@@ -65,6 +67,70 @@ def _f32_to_bf16_rtne(x):
     return r.to(tl.uint16).to(tl.bfloat16, bitcast=True)
 
 
+@triton.jit
+def packed_tile(
+    tok_ptr,  # uint8 [num_pages, tpp, 2, B, row_bytes], last stride 1
+    row_off,  # [R] int64: byte offset of each tile row's token (page * ts0 + slot * ts1)
+    col_off,  # [C]: byte offset of each tile column's record in that token (kv * ts2 + b * ts3 + h * per-head bytes)
+    cb_ptr, cs0, cs1, cs2, cs3,  # [num_pages, cb_rows_per_page, K, D], cache dtype
+    seg_cb_pages,  # int64 pointer: this segment's codebook pages
+    head_row,  # [C] int64: codebook row of each column's stage 0, ((kv * B + b) * H + h) * STAGES
+    cmask, d3, mask2, mask3,  # valid columns [C], channels [1, 1, D], valid [R, C] and [R, C, D]
+    cb_rows_per_page, out_ptr,
+    CODE_KIND: tl.constexpr, ASYM: tl.constexpr, QMAX: tl.constexpr, BLOCK_SIZE: tl.constexpr,
+    STAGES: tl.constexpr, PER_HEAD_BYTES: tl.constexpr, SCALES_OFFSET: tl.constexpr, ZEROS_OFFSET: tl.constexpr,
+    IDS_OFFSET: tl.constexpr, OUT_KIND: tl.constexpr,
+):  # fmt: skip
+    """Dequantized `[R, C, D]` tile: rows are tokens, columns are (kv, b, head) records of them (any mix), in the
+    element type of `out_ptr` (masked-off elements hold garbage; store with `mask3`). Shared by the packed view
+    build and the mixed view build (triton_view_runs.py)."""
+    # Per-head records of these tokens: [R, C, 1] byte pointers.
+    rec = (tok_ptr + row_off[:, None] + col_off[None, :])[:, :, None]
+
+    # Codes.
+    if CODE_KIND == 0:
+        byte = tl.load(rec + d3 // 2, mask=mask3, other=0).to(tl.int32)
+        c = (byte >> (4 - 4 * (d3 % 2))) & 0xF
+    elif CODE_KIND == 1:
+        byte = tl.load(rec + d3 // 4, mask=mask3, other=0).to(tl.int32)
+        c = (byte >> (6 - 2 * (d3 % 4))) & 0x3
+    else:
+        byte = tl.load(rec + d3 // 5, mask=mask3, other=0).to(tl.int32)
+        k = d3 % 5
+        div = tl.where(k == 0, 81, tl.where(k == 1, 27, tl.where(k == 2, 9, tl.where(k == 3, 3, 1))))
+        c = (byte // div) % 3
+    q = c.to(tl.float32)
+
+    # Block scale (and zero): fp8 bytes, decoded exactly.
+    blk = d3 // BLOCK_SIZE
+    scale = _fp8e4m3_to_f32(tl.load(rec + SCALES_OFFSET + blk, mask=mask3, other=0))
+    if ASYM:
+        zero = _fp8e4m3_to_f32(tl.load(rec + ZEROS_OFFSET + blk, mask=mask3, other=0))
+        val = q * scale + zero
+    else:
+        val = (q - QMAX) * scale
+
+    # Centroids of each stage, added in stage order (codebook row ((kv * B + b) * H + h) * STAGES + s).
+    for s in tl.static_range(STAGES):
+        ids = tl.load(rec + IDS_OFFSET + s, mask=mask2[:, :, None], other=0).to(tl.int64)  # [R, C, 1]
+        cb_row = head_row + s
+        cb_page = tl.load(seg_cb_pages + cb_row // cb_rows_per_page, mask=cmask, other=0)
+        cb_base = cb_page * cs0 + (cb_row % cb_rows_per_page) * cs1  # [C]
+        cptr = cb_ptr + cb_base[None, :, None] + ids * cs2 + d3 * cs3
+        cent = tl.load(cptr, mask=mask3, other=0)
+        if OUT_KIND == 2:
+            centf = (cent.to(tl.uint16, bitcast=True).to(tl.uint32) << 16).to(tl.float32, bitcast=True)
+        else:
+            centf = cent.to(tl.float32)
+        val = val + centf
+
+    if OUT_KIND == 2:  # noqa: SIM108 (a constexpr branch: only one side is compiled)
+        res = _f32_to_bf16_rtne(val)
+    else:
+        res = val.to(out_ptr.dtype.element_ty)
+    return res
+
+
 @triton.jit(do_not_specialize=_RUNTIME)
 def _packed_dequant_kernel(
     tok_ptr, ts0, ts1, ts2, ts3,  # uint8 [num_pages, tpp, 2, B, row_bytes], last stride 1
@@ -102,52 +168,14 @@ def _packed_dequant_kernel(
     mask3 = mask2[:, :, None] & (d < HEAD_DIM)[None, None, :]  # [R, Hb, D]
     d3 = d[None, None, :]
 
-    # Per-head records of these tokens: [R, Hb, 1] byte pointers.
-    row = page * ts0 + (first + r) * ts1 + kv * ts2 + b * ts3
-    rec = (tok_ptr + row[:, None] + ((head_start + hh) * PER_HEAD_BYTES)[None, :])[:, :, None]
-
-    # Codes.
-    if CODE_KIND == 0:
-        byte = tl.load(rec + d3 // 2, mask=mask3, other=0).to(tl.int32)
-        c = (byte >> (4 - 4 * (d3 % 2))) & 0xF
-    elif CODE_KIND == 1:
-        byte = tl.load(rec + d3 // 4, mask=mask3, other=0).to(tl.int32)
-        c = (byte >> (6 - 2 * (d3 % 4))) & 0x3
-    else:
-        byte = tl.load(rec + d3 // 5, mask=mask3, other=0).to(tl.int32)
-        k = d3 % 5
-        div = tl.where(k == 0, 81, tl.where(k == 1, 27, tl.where(k == 2, 9, tl.where(k == 3, 3, 1))))
-        c = (byte // div) % 3
-    q = c.to(tl.float32)
-
-    # Block scale (and zero): fp8 bytes, decoded exactly.
-    blk = d3 // BLOCK_SIZE
-    scale = _fp8e4m3_to_f32(tl.load(rec + SCALES_OFFSET + blk, mask=mask3, other=0))
-    if ASYM:
-        zero = _fp8e4m3_to_f32(tl.load(rec + ZEROS_OFFSET + blk, mask=mask3, other=0))
-        val = q * scale + zero
-    else:
-        val = (q - QMAX) * scale
-
-    # Centroids of each stage, added in stage order (codebook row ((kv * B + b) * H + h) * STAGES + s).
+    row_off = page * ts0 + (first + r) * ts1  # [R]
+    col_off = kv * ts2 + b * ts3 + (head_start + hh) * PER_HEAD_BYTES  # [Hb]
     head_row = (kvb * num_heads + head_start + hh).to(tl.int64) * STAGES  # [Hb]
-    for s in tl.static_range(STAGES):
-        ids = tl.load(rec + IDS_OFFSET + s, mask=mask2[:, :, None], other=0).to(tl.int64)  # [R, Hb, 1]
-        cb_row = head_row + s
-        cb_page = tl.load(seg_cb_pages + cb_row // cb_rows_per_page, mask=hmask, other=0)
-        cb_base = cb_page * cs0 + (cb_row % cb_rows_per_page) * cs1  # [Hb]
-        cptr = cb_ptr + cb_base[None, :, None] + ids * cs2 + d3 * cs3
-        cent = tl.load(cptr, mask=mask3, other=0)
-        if OUT_KIND == 2:
-            centf = (cent.to(tl.uint16, bitcast=True).to(tl.uint32) << 16).to(tl.float32, bitcast=True)
-        else:
-            centf = cent.to(tl.float32)
-        val = val + centf
-
-    if OUT_KIND == 2:  # noqa: SIM108 (a constexpr branch: only one side is compiled)
-        res = _f32_to_bf16_rtne(val)
-    else:
-        res = val.to(out_ptr.dtype.element_ty)
+    res = packed_tile(
+        tok_ptr, row_off, col_off, cb_ptr, cs0, cs1, cs2, cs3, seg_cb_pages, head_row, hmask, d3, mask2, mask3,
+        cb_rows_per_page, out_ptr,
+        CODE_KIND, ASYM, QMAX, BLOCK_SIZE, STAGES, PER_HEAD_BYTES, SCALES_OFFSET, ZEROS_OFFSET, IDS_OFFSET, OUT_KIND,
+    )  # fmt: skip
     orow = (out_row + r) * os0 + kv * os1 + b * os2  # [R]
     optr = out_ptr + (orow[:, None] + (hh * os3)[None, :])[:, :, None] + d3 * os4
     tl.store(optr, res, mask=mask3)
@@ -157,6 +185,15 @@ def _code_kind(fmt: PackedFormat) -> int:
     if fmt.cfg.pack_trits:
         return TRITS
     return INT4 if fmt.bits == 4 else INT2
+
+
+def format_constants(fmt: PackedFormat) -> dict:
+    """The `tl.constexpr` arguments of `packed_tile` for a PRQ format (layer constants)."""
+    return dict(
+        CODE_KIND=_code_kind(fmt), ASYM=bool(fmt.cfg.asymmetric), QMAX=fmt.qmax, BLOCK_SIZE=fmt.cfg.block_size,
+        STAGES=fmt.cfg.stages, PER_HEAD_BYTES=fmt.per_head_bytes, SCALES_OFFSET=fmt.scales_offset,
+        ZEROS_OFFSET=fmt.zeros_offset, IDS_OFFSET=fmt.ids_offset, OUT_KIND=_OUT_KIND[fmt.dtype],
+    )  # fmt: skip
 
 
 def packed_dequant_launch(
@@ -195,10 +232,7 @@ def packed_dequant_launch(
     )  # fmt: skip
     kwargs = dict(
         HEAD_DIM=d, BLOCK_R=tile.block_r, BLOCK_D=tile.block_d, HEADS_PER_BLOCK=tile.heads_per_block,
-        CODE_KIND=_code_kind(fmt), ASYM=bool(fmt.cfg.asymmetric), QMAX=fmt.qmax, BLOCK_SIZE=fmt.cfg.block_size,
-        STAGES=fmt.cfg.stages, PER_HEAD_BYTES=fmt.per_head_bytes, SCALES_OFFSET=fmt.scales_offset,
-        ZEROS_OFFSET=fmt.zeros_offset, IDS_OFFSET=fmt.ids_offset, OUT_KIND=_OUT_KIND[fmt.dtype],
-        num_warps=NUM_WARPS,
+        **format_constants(fmt), num_warps=NUM_WARPS,
     )  # fmt: skip
     return _packed_dequant_kernel, grid, args, kwargs
 

@@ -6,11 +6,10 @@ view order, whatever segment each row comes from (see rows.py). Grid: `(cdiv(B *
 cdiv(Hin, HEADS_PER_BLOCK), 2)`; program `(i, j, kv)` gathers flat rows `r = b * T + t` in
 `[i * BLOCK_R, (i + 1) * BLOCK_R)`, heads `[j * HEADS_PER_BLOCK, ...)`, and writes them to `out`. A copy: bit-exact.
 
-Where packed (PRQ) segments will plug in: the gather of one tile of source rows is the only part that depends on the
-segment kind. A packed source adds a per-row kind (or a per-token segment id) and, for packed rows, loads the codes,
-scales, zeros and ids of the same (page, slot) from the packed token rows and the centroids from the segment's
-codebook pages, dequantizes in fp32 registers and casts to the cache dtype before the same masked store to `out`.
-The format constants (bits, block size, stages, centroids) are layer constants and may be `tl.constexpr`.
+The cache uses this kernel for views of one dense range. Views that hold PRQ-packed segments, slots the cache
+never filled (zeros) or several ranges go through the mixed view build instead (view_runs.py,
+triton_view_runs.py): one launch over a run table that has a kind per run (dense / packed / zero); its dense runs
+copy rows exactly like this kernel, its packed runs dequantize in registers (`triton_dequant.packed_tile`).
 
 Compile-time constants are the layer shape only; `num_rows`, `n_tokens` (T), `head_start` and `num_heads_in` are
 runtime and not specialized on, so the view length never triggers a recompile.
@@ -44,7 +43,7 @@ def _view_build_kernel(
     b = (r // n_tokens).to(tl.int64)
     t = (r % n_tokens).to(tl.int64)
 
-    # Dense source rows. (Packed rows: dequantize here, in registers, into `vals` of the out dtype.)
+    # Dense source rows (packed rows: triton_view_runs.py).
     src = rows_ptr + (page * rs0 + slot * rs1)[:, None] + ((head_start + h) * rs2 + d * rs3)[None, :]
     vals = tl.load(src, mask=mask)
 
