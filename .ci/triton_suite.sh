@@ -3,7 +3,7 @@
 #
 #   .ci/triton_suite.sh [extra pytest args]
 #
-# Runs tests/test_cache*.py once with PAGEDQVG_KERNELS=triton (every page write, page fill and view build goes
+# Runs tests/test_cache*.py once with PAGEDQVG_KERNELS=triton (every page write, page fill, view build and PRQ pack goes
 # through the Triton kernels) and TRITON_INTERPRET=1 (set here, before Python starts, so triton decorates every
 # kernel for the interpreter), with the reduced Hypothesis budget PAGEDQVG_FUZZ_PROFILE=interp. The interpreter
 # costs ~10-30 ms per kernel call on 2 cores, so the "ci" fuzz budget would take many minutes.

@@ -154,7 +154,7 @@ Q_TRITS_2ST = QuantConfig(bits=2, centroids=4, block_size=8, pack_trits=True, st
 CASES = [
     ("int2-B1-all", Q_INT2, 1, 2, 32, 0, 2, 1024, None, None),
     ("int2asym-B2-slice-cap3", Q_INT2_ASYM, 2, 3, 16, 1, 2, 1024, 3, None),
-    ("int4-2st-B2-slice-tile2x16", Q_INT4_2ST, 2, 4, 16, 1, 2, 1024, None, (2, 16)),
+    ("int4-2st-B2-slice-tile8x16", Q_INT4_2ST, 2, 4, 16, 1, 2, 1024, None, (8, 16)),
     ("int4asym-2st-B1-slice-cap2", Q_INT4_ASYM_2ST, 1, 3, 32, 2, 1, 2048, 2, (4, 32)),
     ("trits-2st-D24-B2", Q_TRITS_2ST, 2, 2, 24, 0, 2, 1024, 5, None),
     ("dense-only-B2-slice", None, 2, 3, 16, 1, 2, 1024, 4, (2, 32)),
