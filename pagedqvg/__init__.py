@@ -9,6 +9,7 @@ from .cache import PagedCausalKVCache, make_layer_caches
 from .errors import (
     CacheClosedError,
     CacheConfigError,
+    PackingFailedWarning,
     PagedQVGError,
     PageOwnershipError,
     PoolExhaustedError,
@@ -25,6 +26,7 @@ __all__ = [
     "CacheClosedError",
     "CacheConfigError",
     "CausalAttentionKVView",
+    "PackingFailedWarning",
     "PageOwnershipError",
     "PagedCausalKVCache",
     "PagedQVGError",

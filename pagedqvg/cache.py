@@ -17,7 +17,7 @@ from dataclasses import dataclass, field
 import torch
 
 from .allocator import BlockPool, RangeEntry, RangeIndex
-from .errors import CacheClosedError, CacheConfigError, SequencingError
+from .errors import CacheClosedError, CacheConfigError, PackingFailedWarning, SequencingError
 from .kernels import kernel_backend, page_fill, page_write, view_build
 from .kernels.dispatch import view_runs
 from .kernels.rows import segment_row_index, token_rows
@@ -726,7 +726,9 @@ class PagedCausalKVCache:
 
     def _pack(self, entry: RangeEntry[Segment]) -> bool:
         """Replace a dense segment by its PRQ-packed form (its dense pages go back to the pool). False (and the
-        segment stays dense) when it holds non-finite values or the pool cannot hold the packed rows."""
+        segment stays dense, unchanged) when it holds non-finite values, the pool cannot hold the packed rows, or
+        quantizing fails otherwise (`PackingFailedWarning`; retried at the next advance). Everything that can fail
+        happens before the first page changes hands."""
         store = self._packed
         assert store is not None and not entry.value.packed
         if self._packed_net_pages(entry) + self.pool.num_free_pages < 0:
@@ -737,6 +739,16 @@ class PagedCausalKVCache:
             self.pack_skipped += 1
             entry.value.pack_failed = True
             warnings.warn(f"{self.debug_name}: chunk [{entry.start}, {entry.end}) stays unpacked: {exc}", stacklevel=4)
+            return False
+        except Exception as exc:  # e.g. torch.OutOfMemoryError: this call's write must still happen
+            self.pack_skipped += 1
+            warnings.warn(
+                PackingFailedWarning(
+                    f"{self.debug_name}: packing chunk [{entry.start}, {entry.end}) failed ({type(exc).__name__}: "
+                    f"{exc}); it stays bf16 and the policy retries at the next advance"
+                ),
+                stacklevel=4,
+            )
             return False
         self._store_packed(entry, quantized)
         return True
@@ -803,8 +815,7 @@ class PagedCausalKVCache:
 
     def _pressure_plan(self, deficit: int, plan: _WritePlan, s: int, e: int) -> list[tuple]:
         """Dense chunks to pack early so that `deficit` more pages become free, oldest first (non-sink before
-        sink), each already quantized and packed into compact rows (`(entry, QuantizedChunk)`; nothing changes
-        here); empty if even
+        sink), each already quantized (`(entry, QuantizedChunk)`; nothing changes here); empty if even
         packing all of them would not be enough."""
         excluded = {x.start for x in plan.free_entries} | {x.start for x in plan.unpack_entries}
         sinks = self._sink_segment_starts()
@@ -821,7 +832,7 @@ class PagedCausalKVCache:
             if gain <= 0 or entry.value.pack_failed:
                 continue
             try:
-                quantized = self._packed.pack_rows(self._packed.quantize(self._read_dense(entry)))
+                quantized = self._packed.quantize(self._read_dense(entry))
             except ValueError:  # non-finite values: this chunk cannot be packed
                 continue
             chosen.append((entry, quantized))

@@ -29,3 +29,9 @@ class CacheConfigError(PagedQVGError, ValueError):
 
 class CacheClosedError(PagedQVGError, RuntimeError):
     """The cache was closed; its pages are back in the pool and it cannot be used any more."""
+
+
+class PackingFailedWarning(RuntimeWarning):
+    """Packing a chunk failed unexpectedly (e.g. the device ran out of memory for PRQ's temporaries) while the pack
+    policy ran after a call's write was committed: the chunk stays bf16 (nothing of it changed), the call completes,
+    and the policy tries again at the next advance."""

@@ -2,8 +2,8 @@
 
 Geometry comes from `layout.PackedSegmentLayout` and bytes from `quant.format.PackedFormat`; this module only
 moves rows between pages and the PRQ steps. Packing is `quantize` (`quant.prq.prq_kmeans`, its assign and update
-steps through the kernel dispatch: Triton k-means kernels on CUDA) and then `write`, whose `residual_pack`
-block-quantizes the final residuals straight into the token pages (one launch; torch reference on CPU).
+steps through the kernel dispatch: Triton k-means kernels on CUDA, then one `residual_pack` launch per K/V half that
+block-quantizes the final residual into staged packed rows; torch references on CPU) and then `write` (page copies).
 
 Token pages are read as slices (whole tokens per page), so dequantizing a visible range needs no gather: one
 `prq_dequantize` per page piece, for K and V and every batch element and head at once (they are folded into
@@ -35,23 +35,19 @@ DEQUANT_TILE_ELEMS = 1 << 18
 
 @dataclass(frozen=True, slots=True)
 class QuantizedChunk:
-    """A chunk between `PackedStore.quantize` and `PackedStore.write`: nothing of the cache has changed yet.
+    """A chunk between `PackedStore.quantize` and `PackedStore.write`: packed, but nothing of the cache changed yet.
 
-    resid: float32 `[2*B*H, n, D]` final residuals, folded heads in storage order (kv, b, h); None once packed.
-    ids: uint8 `[2*B*H, n, stages]` centroid ids; None once packed.
+    token_rows: uint8 `[n, 2, B, row_bytes]` packed token rows (quant/format.py), K then V per token.
     codebook_rows: uint8 `[2*B*H*stages, codebook_row_bytes]` in (kv, b, h, stage) order.
-    token_rows: uint8 `[n, 1, 2*B*row_bytes]` packed token rows (`PackedStore.pack_rows`), else None.
     """
 
-    resid: torch.Tensor | None
-    ids: torch.Tensor | None
+    token_rows: torch.Tensor
     codebook_rows: torch.Tensor
-    token_rows: torch.Tensor | None = None
 
     @property
     def num_tokens(self) -> int:
         """Tokens in the chunk (n)."""
-        return int(self.token_rows.shape[0] if self.token_rows is not None else self.resid.shape[1])
+        return int(self.token_rows.shape[0])
 
 
 class PackedStore:
@@ -78,9 +74,7 @@ class PackedStore:
             )
         raw = pool.pages_as(torch.uint8)
         row = self.fmt.token_row_bytes
-        slots = raw[:, : self.tpp * 2 * batch_size * row]
-        self.token_view = slots.view(pool.num_pages, self.tpp, 2, batch_size, row)
-        self.token_slots = slots.view(pool.num_pages, self.tpp, -1)  # the same bytes: where `residual_pack` writes
+        self.token_view = raw[:, : self.tpp * 2 * batch_size * row].view(pool.num_pages, self.tpp, 2, batch_size, row)
         self.cb_rpp = cb.rows_per_page
         self.codebook_view = raw[:, : cb.rows_per_page * cb.row_bytes].view(pool.num_pages, cb.rows_per_page, -1)
         self.num_cb_rows = 2 * batch_size * self.layout.codebook_rows
@@ -99,45 +93,35 @@ class PackedStore:
 
     # ------------------------------------------------------------------ pack
     def quantize(self, dense: torch.Tensor) -> QuantizedChunk:
-        """Dense K/V `[2, n, B, H, D]` → its k-means stages done (`QuantizedChunk`: final residuals, ids and
-        codebook rows); `write` block-quantizes the residuals straight into pages. Every (kv, batch, head) gets its
-        own codebooks; K and V are each one `prq_kmeans` over B*H folded heads (assign/update through the kernel
-        dispatch: Triton on CUDA). Raises ValueError on non-finite values (nothing is written anywhere)."""
+        """Dense K/V `[2, n, B, H, D]` → packed rows (`QuantizedChunk`), nothing written to the pool yet.
+
+        K, then V: `prq_kmeans` over the B*H folded heads (its assign and update steps through the kernel dispatch:
+        Triton on CUDA), then `residual_pack` (one launch) block-quantizes the final residual straight into that
+        half of the staged token rows, so one half's float32 residual exists at a time. The rows are staged, not
+        written to pages, because the cache frees the chunk's dense pages before it takes the packed ones (the
+        pool's peak stays what the planner computes) and everything that can fail must happen before that: the
+        commit is then page copies only (`write`). The staging costs 2*B*row_bytes per token, ~3% of the dense
+        chunk (35 vs 1,280 B per token-head at int2, D=128). Raises ValueError on non-finite values."""
         _, n, B, H, D = dense.shape
-        parts = [
-            prq_kmeans(dense[kv].reshape(n, B * H, D), self.cfg, assign=kmeans_assign, update=kmeans_update)
-            for kv in range(2)
-        ]
-        codebooks = self.fmt_all.pack_codebooks(torch.cat([p.codebooks for p in parts]))
+        rows = torch.empty(n, 2, B * self.fmt.token_row_bytes, dtype=torch.uint8, device=dense.device)
+        token = torch.arange(n, device=dense.device)
+        slot = torch.zeros(n, dtype=torch.int64, device=dense.device)
+        codebooks = []
+        for kv in range(2):
+            km = prq_kmeans(dense[kv].reshape(n, B * H, D), self.cfg, assign=kmeans_assign, update=kmeans_update)
+            residual_pack(km.resid, km.ids, rows[:, kv : kv + 1], token, slot, self.fmt_batch)
+            codebooks.append(km.codebooks)
         return QuantizedChunk(
-            resid=torch.cat([p.resid for p in parts]), ids=torch.cat([p.ids for p in parts]), codebook_rows=codebooks
+            token_rows=rows.view(n, 2, B, -1), codebook_rows=self.fmt_all.pack_codebooks(torch.cat(codebooks))
         )
 
-    def pack_rows(self, q: QuantizedChunk) -> QuantizedChunk:
-        """`q` with its residuals packed into compact token rows (uint8 `[n, 1, 2*B*row_bytes]`, a few % of the
-        float32 residuals) for callers that hold several chunks before writing them (pack under pressure)."""
-        if q.token_rows is not None:
-            return q
-        n = q.resid.shape[1]
-        rows = torch.empty(n, 1, self.fmt_all.token_row_bytes, dtype=torch.uint8, device=q.resid.device)
-        idx = torch.arange(n, device=q.resid.device)
-        residual_pack(q.resid, q.ids, rows, idx, torch.zeros_like(idx), self.fmt_all)
-        return QuantizedChunk(resid=None, ids=None, codebook_rows=q.codebook_rows, token_rows=rows)
-
     def write(self, tok_pages: list[int], cb_pages: list[int], q: QuantizedChunk) -> None:
-        """Store a `quantize` result into a packed segment's pages: one `residual_pack` (one Triton launch) writes
-        every token record straight into its token page; codebook rows are copied page by page."""
-        n = q.num_tokens
-        if q.token_rows is None:
-            t = torch.arange(n)
-            pages = torch.tensor(tok_pages, dtype=torch.int64)[t // self.tpp]
-            idx = torch.stack([pages, t % self.tpp]).to(self.token_slots.device)  # one host->device copy
-            residual_pack(q.resid, q.ids, self.token_slots, idx[0], idx[1], self.fmt_all)
-        else:
-            o = 0
-            for page, a, b in page_pieces(tok_pages, self.tpp, 0, n):
-                self.token_view[page, a:b].copy_(q.token_rows[o : o + b - a].view(b - a, 2, self.batch_size, -1))
-                o += b - a
+        """Copy a `quantize` result into a packed segment's pages (token rows, then codebook rows; page copies
+        only)."""
+        o = 0
+        for page, a, b in page_pieces(tok_pages, self.tpp, 0, q.num_tokens):
+            self.token_view[page, a:b].copy_(q.token_rows[o : o + b - a])
+            o += b - a
         o = 0
         for page, a, b in page_pieces(cb_pages, self.cb_rpp, 0, self.num_cb_rows):
             self.codebook_view[page, a:b].copy_(q.codebook_rows[o : o + b - a])

@@ -965,7 +965,7 @@ def test_machine_detects_rows_packed_out_of_place(monkeypatch):
 
     def shifted(self, dense):
         q = real(self, dense)
-        return dataclasses.replace(q, resid=q.resid.roll(1, 1), ids=q.ids.roll(1, 1))
+        return dataclasses.replace(q, token_rows=q.token_rows.roll(1, 0))
 
     monkeypatch.setattr(PackedStore, "quantize", shifted)
     with pytest.raises(AssertionError, match="exceeds"):

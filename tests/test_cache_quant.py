@@ -251,3 +251,40 @@ def test_bad_quant_configuration():
     with pytest.raises(CacheConfigError, match="does not fit a page"):
         PagedCausalKVCache(quant=QuantConfig(bits=2, centroids=128, block_size=16), **{**base, "pool": small})
     assert pool.stats().used_pages == 0 and small.stats().used_pages == 0
+
+
+def test_packing_failure_after_the_commit_keeps_the_call_and_retries(monkeypatch):
+    """An unexpected error while the pack policy quantizes (injected: a device out-of-memory) does not abort the
+    call that triggered it: its write lands, the view is the quant-off view (the chunk stayed bf16, unchanged), the
+    pool and the cache's accounting stay consistent, a PackingFailedWarning says so, and the next advance packs."""
+    from pagedqvg import PackingFailedWarning
+    from pagedqvg.packing import PackedStore
+
+    real = PackedStore.quantize
+    failures = [1]
+
+    def flaky(self, dense):
+        if failures[0]:
+            failures[0] -= 1
+            raise torch.OutOfMemoryError("CUDA out of memory (injected)")
+        return real(self, dense)
+
+    monkeypatch.setattr(PackedStore, "quantize", flaky)
+    k, v = video_kv(12, TPF, H, D, seed=5)
+    pool, plain, packed = caches(QuantConfig(bits=2, centroids=16, block_size=16, keep_recent_chunks=0, sink=False))
+    for c in range(4):
+        s = c * CHUNK
+        kk, vv = k[:, s : s + CHUNK], v[:, s : s + CHUNK]
+        a = plain.update_and_get_attention_kv(key=kk, value=vv, current_chunk_start=s)
+        if c == 2:  # the policy's first pack: chunk 1 (chunk 0 is the sink, not packed with sink=False)
+            with pytest.warns(PackingFailedWarning, match=r"packing chunk \[\d+, \d+\) failed \(OutOfMemoryError"):
+                b = packed.update_and_get_attention_kv(key=kk, value=vv, current_chunk_start=s)
+            assert [kind for _, _, kind in packed.last_view_sources()] == ["dense"] * len(packed.last_view_sources())
+            assert torch.equal(a.k, b.k) and torch.equal(a.v, b.v)
+            assert packed.pack_skipped == 1
+        else:
+            b = packed.update_and_get_attention_kv(key=kk, value=vv, current_chunk_start=s)
+        mb = accounting(pool, packed)
+        assert pool.stats().used_bytes == mb["used_bytes"] + plain.memory_breakdown()["used_bytes"]
+        assert (b.local_end_index, b.visible_global_end) == (a.local_end_index, a.visible_global_end)
+    assert any(kind == "packed" for _, _, kind in packed.last_view_sources())  # retried and packed

@@ -30,6 +30,7 @@ from pagedqvg import BlockPool
 from pagedqvg.kernels import dispatch
 from pagedqvg.kernels.kmeans import exact_means, kmeans_update_torch, update_error_bound
 from pagedqvg.kernels.residual_pack import residual_pack_torch
+from pagedqvg.layout import page_pieces
 from pagedqvg.packing import PackedStore
 from pagedqvg.quant import FP8_DTYPE, PackedFormat, QuantConfig, pack_residual_rows, prq_kmeans, prq_quantize
 
@@ -77,7 +78,8 @@ def _fp8_boundaries() -> torch.Tensor:
 @needs_kernels
 def test_fp8_encoder_and_round_half_even_match_torch():
     gen = torch.Generator().manual_seed(3)
-    v = torch.cat([_fp8_boundaries(), (torch.rand(20000, generator=gen) * 2 - 1) * 448 * torch.rand(20000) ** 8])
+    spread = (torch.rand(20000, generator=gen) * 2 - 1) * 448 * torch.rand(20000, generator=gen) ** 8
+    v = torch.cat([_fp8_boundaries(), spread])
     # _rne on values with halves: k + 0.5, k +- ulp, large integers.
     k = torch.arange(-40, 40, dtype=torch.float32)
     v = torch.cat([v, k + 0.5, torch.nextafter(k + 0.5, k), torch.nextafter(k + 0.5, k + 1), k * 2.0**20 + 0.5])
@@ -105,6 +107,7 @@ Q_INT4_ASYM_3ST = QuantConfig(bits=4, block_size=24, asymmetric=True, stages=3)
 PACK_CASES = [
     ("int2-D48", Q_INT2, 5, 37, 48),
     ("int4-D24", Q_INT4, 3, 130, 24),
+    ("int2-D16-block4-ties", QuantConfig(bits=2, block_size=4), 3, 40, 16),
     ("trits-D24-pad", Q_TRITS, 4, 37, 24),  # 5 code bytes, the last one padded
     ("trits-D128", Q_TRITS, 2, 9, 128),
     ("int2asym-2st-D96", Q_INT2_ASYM_2ST, 5, 37, 96),
@@ -113,8 +116,9 @@ PACK_CASES = [
 ]
 
 
-def _residual(G, S, D, gen):
-    """Residuals over 12 decades with edge rows: zero, constant, fp8 underflow, clipping, -0.0."""
+def _residual(cfg, G, S, D, gen):
+    """Residuals over 12 decades with edge rows: zero, constant, fp8 underflow, clipping, -0.0, and from token 6
+    on rows of exact ties (`_tie_rows`)."""
     r = torch.randn(G, S, D, generator=gen) * torch.exp(torch.randn(G, S, 1, generator=gen) * 3)
     edits = [(0, 0.0), (1, 2.0), (2, 1e-7), (3, 1e6), (4, -0.0)]
     for s, value in edits:
@@ -122,7 +126,33 @@ def _residual(G, S, D, gen):
             r[s % G, s] = value
     if S > 5:
         r[0, 5, : D // 2] = -0.0  # a block of -0.0 and +0.0
+    if S > 6:
+        ties = min(S - 6, 8)
+        r[:, 6 : 6 + ties] = _tie_rows(cfg, G * ties, D, gen).view(G, ties, D)
     return r
+
+
+def _tie_rows(cfg, n, D, gen):
+    """[n, D] rows whose every block hits both rounding ties exactly: the block's scale before fp8 rounding is an
+    fp8 midpoint m (max |r| = m * qmax, or max - min = m * qmax), and the other values sit at code + 1/2 steps of
+    the rounded scale fp8(m), so both the scale byte and the codes round half to even."""
+    pos = torch.arange(256, dtype=torch.int32).to(torch.uint8).view(FP8_DTYPE).float()
+    pos = pos[torch.isfinite(pos) & (pos > 0)].unique().sort().values
+    mids = ((pos[1:] + pos[:-1]) / 2)[pos[1:] < 64]  # keep m * qmax * D well inside fp32's exact range
+    bs, qmax = cfg.block_size, cfg.qmax
+    m = mids[torch.randint(len(mids), (n, D // bs), generator=gen)]  # [n, nb]
+    s = m.to(FP8_DTYPE).float()[..., None]  # the stored scale
+    if cfg.asymmetric:
+        lo = -pos[torch.randint(len(pos) // 2, (n, D // bs), generator=gen)][..., None]  # an exact fp8 zero
+        k = torch.randint(qmax, (n, D // bs, bs), generator=gen).float()
+        rows = lo + (k + 0.5) * s
+        rows[..., 0:1] = lo
+        rows[..., 1:2] = lo + m[..., None] * qmax
+    else:
+        k = torch.randint(-qmax, qmax, (n, D // bs, bs), generator=gen).float()
+        rows = (k + 0.5) * s
+        rows[..., 0:1] = m[..., None] * qmax
+    return rows.reshape(n, D)
 
 
 def _scrambled_dest(fmt, S, gen, extra=5, slots=7):
@@ -138,7 +168,7 @@ def test_residual_pack_bit_exact(case):
     name, cfg, G, S, D = case
     gen = torch.Generator().manual_seed(zlib.crc32(name.encode()))
     fmt = PackedFormat(head_dim=D, num_heads=G, cfg=cfg)
-    resid = _residual(G, S, D, gen)
+    resid = _residual(cfg, G, S, D, gen)
     ids = torch.randint(256, (G, S, cfg.stages), dtype=torch.uint8, generator=gen)
     dest, pi, si = _scrambled_dest(fmt, S, gen)
     ref = dest.clone()
@@ -284,11 +314,12 @@ def _store(cfg, backend, monkeypatch, B=2, H=3, D=32, dtype=torch.bfloat16):
 
 @needs_kernels
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16], ids=str)
-@pytest.mark.parametrize("compact", [False, True], ids=["straight-to-pages", "compact-rows"])
-def test_packed_store_triton_pages_equal_torch(monkeypatch, compact, dtype):
-    """The cache's pack (quantize + write into scrambled pages) with the Triton steps writes the torch bytes, and
-    they decode to what prq_quantize of each K/V half gives. Batch 2, 23 tokens over 3 token pages."""
-    cfg = QuantConfig(bits=2, centroids=4, block_size=8, pack_trits=True)
+@pytest.mark.parametrize("cfg", [QuantConfig(bits=2, centroids=4, block_size=8, pack_trits=True),
+                                 QuantConfig(bits=4, centroids=3, block_size=16, asymmetric=True, stages=2)],
+                         ids=["trits", "int4asym-2st"])  # fmt: skip
+def test_packed_store_triton_pages_equal_torch(monkeypatch, cfg, dtype):
+    """The cache's pack (quantize: staged rows; write: into scrambled pages) with the Triton steps writes the torch
+    bytes, and every token row is what prq_quantize of its K/V half gives. Batch 2, 23 tokens over 4 token pages."""
     gen = torch.Generator().manual_seed(21)
     n, B, H, D = 23, 2, 3, 32
     dense = _clustered(2 * n * B, H, D, cfg.centroids, gen, dtype).view(2, n, B, H, D)
@@ -296,17 +327,18 @@ def test_packed_store_triton_pages_equal_torch(monkeypatch, compact, dtype):
     for backend in ("torch", "triton"):
         pool, store = _store(cfg, backend, monkeypatch, dtype=dtype)
         q = store.quantize(dense.to(pool.device))
-        if compact:
-            q = store.pack_rows(q)
         pages = torch.randperm(pool.num_pages, generator=torch.Generator().manual_seed(4))
         pages = pages[: store.pages_for_tokens(n)].tolist()
         n_tok = store.token_pages(n)
+        assert n_tok > 1
         store.write(pages[:n_tok], pages[n_tok:], q)
         arenas.append(pool.arena.cpu())
     assert torch.equal(arenas[0], arenas[1])
-    for kv in range(2):  # the reference bytes are prq_quantize's
+    stored = torch.cat([store.token_view[p, a:b].cpu() for p, a, b in page_pieces(pages[:n_tok], store.tpp, 0, n)])
+    for kv in range(2):  # the reference bytes are prq_quantize's, token by token
         seg = prq_quantize(dense[kv].reshape(n, B * H, D), cfg)
-        assert torch.equal(store.token_view[pages[0], :3, kv].cpu().reshape(3, -1), seg.token_rows[:3])
+        assert torch.equal(stored[:, kv].reshape(n, -1), seg.token_rows)
+        assert torch.equal(store.codebooks(pages[n_tok:])[kv * B * H : (kv + 1) * B * H].cpu(), seg.codebooks)
 
 
 # ---------------------------------------------------------------------------------------------- subprocess checks

@@ -264,16 +264,19 @@ def _block_quantize(r: torch.Tensor, cfg: QuantConfig) -> tuple[torch.Tensor, to
     nb = D // cfg.block_size
     rb = r.reshape(S, H, nb, cfg.block_size)
     qmax = float(cfg.qmax)
+    # Divide by a tensor, not a Python float: CUDA turns `x / scalar` into `x * (1 / scalar)`, which can round
+    # differently from the IEEE division the CPU and the Triton kernel do (a different fp8 scale byte).
+    qmax_t = r.new_full((), qmax)
     if cfg.asymmetric:
         lo, hi = rb.amin(dim=-1), rb.amax(dim=-1)
-        scale8 = ((hi - lo) / qmax).clamp(0.0, FP8_MAX).to(FP8_DTYPE)
+        scale8 = ((hi - lo) / qmax_t).clamp(0.0, FP8_MAX).to(FP8_DTYPE)
         zero8 = (lo.clamp(-FP8_MAX, FP8_MAX) + 0.0).to(FP8_DTYPE)  # + 0.0: a -0.0 minimum stores +0
         s, z = scale8.float()[..., None], zero8.float()[..., None]
         q = torch.round((rb - z) / torch.where(s > 0, s, 1.0)).clamp(0.0, qmax)
         q = torch.where(s > 0, q, 0.0)
         return q.to(torch.uint8).reshape(S, H, D), scale8, zero8
     amax = rb.abs().amax(dim=-1)
-    scale8 = (amax / qmax).clamp(0.0, FP8_MAX).to(FP8_DTYPE)
+    scale8 = (amax / qmax_t).clamp(0.0, FP8_MAX).to(FP8_DTYPE)
     s = scale8.float()[..., None]
     q = torch.round(rb / torch.where(s > 0, s, 1.0)).clamp(-qmax, qmax)
     q = torch.where(s > 0, q, 0.0) + qmax
