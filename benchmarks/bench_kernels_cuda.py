@@ -20,8 +20,8 @@ first (sink) and the newest segment dense, every other segment packed, built by 
 (K, V, dense copies and packed dequantization from one run table, kernels/triton_view_runs.py) against its torch
 reference; bytes = dense rows read and written + packed rows and codebooks read + packed rows written.
 `prq_pack_chunk` = packing one chunk the way the cache does (PackedStore.quantize + write into scrambled pages:
-k-means stages, then the residual block-quantized straight into the pages) with the Triton steps against the same
-calls on the torch path (ms per chunk; quality checked, bytes compared: near-ties may differ).
+k-means stages, the residual block-quantized into staged rows, copied into the pages) with the Triton steps against
+the same calls on the torch path (ms per chunk; quality checked, bytes compared: near-ties may differ).
 `kmeans_assign` = one k-means assignment of a chunk
 (S = chunk tokens, B*H heads, K centroids, fp32) against prq's torch `_assign`; it is compute-bound, its line also
 gives TFLOP/s (2*S*K*D per head); ids may differ only on rounding-level near-ties, which are verified in fp64.
@@ -544,9 +544,9 @@ def bench_kmeans(shape: Shape, args, device: torch.device):
 
 
 def bench_prq_quantize(shape: Shape, args, device: torch.device, dtype: torch.dtype, page_bytes: int):
-    """Packing one chunk as the cache does (PackedStore.quantize + write: k-means stages, then the final residual
-    block-quantized into scrambled pool pages) with the Triton steps (k-means assign/update kernels, residual pack
-    straight into pages) against the same calls on the torch path, on synthetic video K/V.
+    """Packing one chunk as the cache does (PackedStore.quantize + write: k-means stages, the final residual
+    block-quantized into staged rows, the rows copied into scrambled pool pages) with the Triton steps (k-means
+    assign/update kernels, residual pack) against the same calls on the torch path, on synthetic video K/V.
 
     ids may differ on rounding-level near-ties (then everything downstream of that token may differ), so the check
     is on quality, not bytes: the share of identical token-record bytes is reported, and the Triton pack's relative

@@ -1,4 +1,4 @@
-"""Residual pack: block-quantize PRQ's final residual and write the packed token records straight into token pages.
+"""Residual pack: block-quantize PRQ's final residual and write the packed token records into token slots.
 
 The last step of `prq_quantize` (quant/prq.py: `pack_residual_rows`), with the destination given as pages:
 
