@@ -35,6 +35,8 @@ from .triton_common import NUM_WARPS, cdiv, is_interpreted, next_pow2
 _RUNTIME = ["os0", "num_tokens", "num_centroids"]  # os0 = S for a contiguous out
 #: Tokens per program (compiled / interpreted) and centroids per tile.
 BLOCK_S, BLOCK_S_INTERPRETED, BLOCK_K = 64, 256, 64
+#: Update kernel: at most this many fp32 sums ([centroids, head_dim]) per program.
+UPDATE_TILE_ELEMS = 4096
 
 
 @triton.jit(do_not_specialize=_RUNTIME)
@@ -139,9 +141,13 @@ def kmeans_update_launch(x: torch.Tensor, ids: torch.Tensor, c_old: torch.Tensor
     if H == 0 or K == 0:
         return None
     block_s = BLOCK_S_INTERPRETED if is_interpreted(_kmeans_update_kernel) else BLOCK_S
-    grid = (cdiv(K, BLOCK_K), H)
+    block_d = max(16, next_pow2(D))
+    # Centroids per program: the [BLOCK_K, D] fp32 sums and the [BLOCK_S, D] token tile live in registers, so fewer
+    # centroids per program for wide heads (ptxas, sm_90, 4 warps: BLOCK_K 64 spills at D=128; 32 does not).
+    block_k = max(16, min(BLOCK_K, UPDATE_TILE_ELEMS // block_d))
+    grid = (cdiv(K, block_k), H)
     args = (x, *x.stride(), ids, *ids.stride(), c_old, *c_old.stride(), out, *out.stride(), S, K)
-    kwargs = dict(HEAD_DIM=D, BLOCK_S=block_s, BLOCK_K=BLOCK_K, BLOCK_D=max(16, next_pow2(D)), num_warps=NUM_WARPS)
+    kwargs = dict(HEAD_DIM=D, BLOCK_S=block_s, BLOCK_K=block_k, BLOCK_D=block_d, num_warps=NUM_WARPS)
     return _kmeans_update_kernel, grid, args, kwargs
 
 

@@ -36,8 +36,10 @@ from .residual_pack import check_residual_pack
 from .triton_common import NUM_WARPS, cdiv, is_interpreted, next_pow2
 from .triton_dequant import _code_kind
 
-#: Tokens per program (compiled / interpreted).
+#: Tokens per program (compiled / interpreted), and the most [token, code byte, block] select elements per compiled
+#: program (ptxas, sm_90, 4 warps: no spills for the SGLang formats at D=128, nor int4-asym block 32 at D=256).
 BLOCK_R, BLOCK_R_INTERPRETED = 16, 128
+SELECT_ELEMS = 4096
 _FP8_MAX = tl.constexpr(448.0)
 
 
@@ -162,8 +164,12 @@ def residual_pack_launch(
     G, S, D = resid.shape
     if S == 0:
         return None
-    block_r = BLOCK_R_INTERPRETED if is_interpreted(_residual_pack_kernel) else BLOCK_R
     cfg = fmt.cfg
+    block_cb, block_nb = next_pow2(fmt.code_bytes), next_pow2(fmt.num_blocks)
+    if is_interpreted(_residual_pack_kernel):
+        block_r = BLOCK_R_INTERPRETED
+    else:  # the per-channel scale select holds [BLOCK_R, code bytes, blocks] values: fewer tokens for fine blocks
+        block_r = max(1, min(BLOCK_R, SELECT_ELEMS // (block_cb * block_nb)))
     grid = (cdiv(S, block_r), G)
     args = (
         resid, *resid.stride(), ids, *ids.stride(), dest, dest.stride(0), dest.stride(1),
@@ -171,8 +177,8 @@ def residual_pack_launch(
     )  # fmt: skip
     kwargs = dict(
         HEAD_DIM=D, BLOCK_R=block_r, CODE_KIND=_code_kind(fmt), ASYM=bool(cfg.asymmetric), QMAX=fmt.qmax,
-        BLOCK_SIZE=cfg.block_size, NUM_BLOCKS=fmt.num_blocks, BLOCK_NB=next_pow2(fmt.num_blocks),
-        BLOCK_BS=next_pow2(cfg.block_size), CODE_BYTES=fmt.code_bytes, BLOCK_CB=next_pow2(fmt.code_bytes),
+        BLOCK_SIZE=cfg.block_size, NUM_BLOCKS=fmt.num_blocks, BLOCK_NB=block_nb,
+        BLOCK_BS=next_pow2(cfg.block_size), CODE_BYTES=fmt.code_bytes, BLOCK_CB=block_cb,
         STAGES=cfg.stages, BLOCK_ST=next_pow2(cfg.stages), PER_HEAD_BYTES=fmt.per_head_bytes,
         SCALES_OFFSET=fmt.scales_offset, ZEROS_OFFSET=fmt.zeros_offset, IDS_OFFSET=fmt.ids_offset,
         num_warps=NUM_WARPS,
