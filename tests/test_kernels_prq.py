@@ -173,9 +173,11 @@ def test_residual_pack_bit_exact(case):
     dest, pi, si = _scrambled_dest(fmt, S, gen)
     ref = dest.clone()
     residual_pack_torch(resid, ids, ref, pi, si, fmt)
-    got = dest.to(DEVICE)
-    trp.residual_pack_triton(resid.to(DEVICE), ids.to(DEVICE), got, pi.to(DEVICE), si.to(DEVICE), fmt)
-    assert torch.equal(got.cpu(), ref)
+    for block_rows in (None, 4):  # the interpreter's tile, and a compiled-size one (rows not a multiple of it)
+        got = dest.to(DEVICE)
+        trp.residual_pack_triton(resid.to(DEVICE), ids.to(DEVICE), got, pi.to(DEVICE), si.to(DEVICE), fmt,
+                                 block_rows=block_rows)  # fmt: skip
+        assert torch.equal(got.cpu(), ref), block_rows
     # The reference itself is prq's packing: token s's record is pack_residual_rows' row s.
     assert torch.equal(ref[pi, si, : fmt.token_row_bytes], pack_residual_rows(resid, ids, fmt))
 

@@ -158,15 +158,20 @@ def residual_pack_launch(
     page_idx: torch.Tensor,
     slot_idx: torch.Tensor,
     fmt: PackedFormat,
+    *,
+    block_rows: int | None = None,
 ):
-    """`(kernel, grid, args, kwargs)` of the residual pack launch, or None when there is nothing to write."""
+    """`(kernel, grid, args, kwargs)` of the residual pack launch, or None when there is nothing to write.
+    `block_rows` overrides the tokens per program (tests: the compiled tile in the interpreter)."""
     check_residual_pack(resid, ids, dest, page_idx, slot_idx, fmt)
     G, S, D = resid.shape
     if S == 0:
         return None
     cfg = fmt.cfg
     block_cb, block_nb = next_pow2(fmt.code_bytes), next_pow2(fmt.num_blocks)
-    if is_interpreted(_residual_pack_kernel):
+    if block_rows is not None:
+        block_r = block_rows
+    elif is_interpreted(_residual_pack_kernel):
         block_r = BLOCK_R_INTERPRETED
     else:  # the per-channel scale select holds [BLOCK_R, code bytes, blocks] values: fewer tokens for fine blocks
         block_r = max(1, min(BLOCK_R, SELECT_ELEMS // (block_cb * block_nb)))
@@ -193,9 +198,11 @@ def residual_pack_triton(
     page_idx: torch.Tensor,
     slot_idx: torch.Tensor,
     fmt: PackedFormat,
+    *,
+    block_rows: int | None = None,
 ) -> None:
-    """`residual_pack_torch` in one Triton launch."""
-    launch = residual_pack_launch(resid, ids, dest, page_idx, slot_idx, fmt)
+    """`residual_pack_torch` in one Triton launch (`block_rows`: see `residual_pack_launch`)."""
+    launch = residual_pack_launch(resid, ids, dest, page_idx, slot_idx, fmt, block_rows=block_rows)
     if launch is not None:
         kernel, grid, args, kwargs = launch
         kernel[grid](*args, **kwargs)
