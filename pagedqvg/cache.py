@@ -20,7 +20,7 @@ from .allocator import BlockPool, RangeEntry, RangeIndex
 from .errors import CacheClosedError, CacheConfigError, PackingFailedWarning, SequencingError
 from .kernels import kernel_backend, page_fill, page_write, view_build
 from .kernels.dispatch import view_runs
-from .kernels.rows import segment_row_index, token_rows
+from .kernels.rows import int64_on, segment_row_index, token_rows
 from .kernels.view_runs import RUN_COLUMNS, dense_runs, packed_runs, zero_runs
 from .layout import DenseTokenLayout, page_pieces
 from .packing import PackedStore, QuantizedChunk
@@ -223,6 +223,10 @@ class PagedCausalKVCache:
         self._tpp = self.layout.tokens_per_page
         self._rpp = self.layout.rows_per_page
         self._backend = kernel_backend(pool.device)
+        # Longest run of a view's run table (Triton backend): on CUDA runs are split at the dense tokens per page, so
+        # the kernel's programs are about equally busy; in the interpreter (CPU tensors), where a program costs
+        # milliseconds of Python whatever its size, runs are only cut at page ends.
+        self._run_cap: int | None = self._tpp if pool.device.type == "cuda" else None
         # Whole tokens per page as a K block then a V block: [num_pages, 2, tokens_per_page, B, H, D].
         self._tok = pool.pages_as(dtype)[:, : self._rpp * self._num_heads * self.head_dim].view(
             pool.num_pages, 2, self._tpp, self.batch_size, self._num_heads, self.head_dim
@@ -234,7 +238,7 @@ class PagedCausalKVCache:
             except ValueError as exc:
                 raise CacheConfigError(f"quant: {exc}") from None
         self.pack_under_pressure = bool(pack_under_pressure)
-        self.pack_skipped = 0  # chunks left dense because they held non-finite values
+        self.pack_skipped = 0  # chunks left dense because they held non-finite values or packing failed
         self._rows = token_rows(pool, dtype, self._num_heads, self.head_dim, self._rpp)
         b = torch.arange(self.batch_size, dtype=torch.int64, device=self.device)
         kv = torch.arange(2, dtype=torch.int64, device=self.device)
@@ -478,7 +482,7 @@ class PagedCausalKVCache:
         """Row index `[2, B, hi - lo]` of global tokens `[lo, hi)` of a dense segment (Triton backend)."""
         seg = entry.value
         if seg.pages_t is None:
-            seg.pages_t = torch.tensor(seg.pages, dtype=torch.int64, device=self.device)
+            seg.pages_t = int64_on(seg.pages, self.device)
         return segment_row_index(seg.pages_t, self._rpp, lo - entry.start, hi - entry.start, self._kv_batch)
 
     def _parts(self, global_ranges: list[tuple[int, int]]) -> list[tuple]:
@@ -599,11 +603,9 @@ class PagedCausalKVCache:
 
     def _run_plan(self, spans: list[tuple[list[tuple[int, int]], int]]) -> tuple[list[tuple], int]:
         """The run table of a whole view (kernels/view_runs.py) from its `(global ranges, zero slots)` spans: dense
-        and packed token runs and zero runs, plus the concatenated codebook pages of its packed segments; one
-        host->device copy. On CUDA runs are split at the dense tokens per page (the kernel's programs are then about
-        equally busy); in Triton's interpreter (CPU tensors), where a program costs milliseconds of Python whatever
-        its size, runs are only cut at page ends. O(pages of the view)."""
-        cap = self._tpp if self.device.type == "cuda" else None
+        and packed token runs and zero runs (split at `_run_cap` tokens), plus the concatenated codebook pages of
+        its packed segments; one host->device copy. O(pages of the view)."""
+        cap = self._run_cap
         store = self._packed
         runs: list[tuple[int, ...]] = []
         cb_pages: list[int] = []
@@ -629,7 +631,7 @@ class PagedCausalKVCache:
                 # zero-initialised buffer reads there.
                 runs += zero_runs(o, zeros, cap)
                 o += zeros
-        desc = torch.tensor([x for run in runs for x in run] + cb_pages, dtype=torch.int64, device=self.device)
+        desc = int64_on([x for run in runs for x in run] + cb_pages, self.device)
         n = RUN_COLUMNS * len(runs)
         table = desc[:n].view(len(runs), RUN_COLUMNS)
         max_run = max((run[3] for run in runs), default=0)

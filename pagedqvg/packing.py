@@ -26,6 +26,7 @@ import torch
 from .allocator import BlockPool
 from .kernels.dequant import piece_table
 from .kernels.dispatch import kernel_backend, kmeans_assign, kmeans_update, packed_dequant, residual_pack
+from .kernels.rows import int64_on
 from .layout import PackedSegmentLayout, page_pieces
 from .quant import PackedFormat, QuantConfig, prq_dequantize, prq_kmeans
 
@@ -159,11 +160,12 @@ class PackedStore:
     def dequantize_runs_into(
         self, out_t: torch.Tensor, runs: list[tuple[int, list[int], list[int], int, int]], head_start: int
     ) -> None:
-        """Several packed runs of one view: each `(out_row, tok_pages, cb_pages, t0, t1)` dequantizes tokens
-        `[t0, t1)` of a packed segment into `out_t[out_row : out_row + t1 - t0]` (`out_t` `[T, 2, B, Hout, D]`).
-
-        Triton backend: one `packed_dequant` launch for all runs (piece table and codebook pages in one
-        host->device copy). Torch backend: `dequantize_into` per run. Same values either way."""
+        """Packed runs: each `(out_row, tok_pages, cb_pages, t0, t1)` dequantizes tokens `[t0, t1)` of a packed
+        segment into `out_t[out_row : out_row + t1 - t0]` (`out_t` `[T, 2, B, Hout, D]`). The torch backend's view
+        build passes every packed run of a view (`dequantize_into` per run); on the Triton backend views use the
+        run kernel instead and this serves `dequantize_into` (one run, one `packed_dequant` launch; any number of
+        runs would be one launch too: piece table and codebook pages in one host->device copy). Same values
+        either way."""
         if self.backend != "triton":
             for o, tok_pages, cb_pages, t0, t1 in runs:
                 self.dequantize_into(out_t[o : o + t1 - t0], tok_pages, cb_pages, t0, t1, head_start)
@@ -176,6 +178,6 @@ class PackedStore:
             cbs.extend(cb_pages)
         if not flat:
             return
-        desc = torch.tensor(flat + cbs, dtype=torch.int64, device=out_t.device)
+        desc = int64_on(flat + cbs, out_t.device)
         n = len(flat)
         packed_dequant(self.token_view, self.codebook_rows, desc[:n].view(-1, 5), desc[n:], head_start, out_t, self.fmt)

@@ -363,11 +363,19 @@ def _count_launches(monkeypatch):
 
 
 @needs_kernels
-@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=str)
-def test_cache_mixed_views_one_launch_identical_to_torch(monkeypatch, dtype):
+@pytest.mark.parametrize(("dtype", "run_cap"), [(torch.bfloat16, None), (torch.float16, 2)], ids=["bf16", "fp16-cap2"])
+def test_cache_mixed_views_one_launch_identical_to_torch(monkeypatch, dtype, run_cap):
     """A quantized cache (batch 2, sink, head slices): every view equals the torch backend's bit for bit, and on
     the Triton backend every view is exactly one launch (packed views: the run kernel only, no packed-only
-    dequant); a repeated call reuses its plan's run table (no new table, no host->device copy)."""
+    dequant); a repeated call reuses its plan's run table (no new table, no host->device copy). `run_cap`: runs
+    split as on CUDA (at most that many tokens each; None: cut at page ends only, the CPU default). Both caches pack
+    with the torch k-means steps (the Triton ones may resolve a near-tie the other way, and this test is about
+    views: same packed bytes in, same view out)."""
+    from pagedqvg import packing
+    from pagedqvg.kernels.kmeans import kmeans_assign_torch, kmeans_update_torch
+
+    monkeypatch.setattr(packing, "kmeans_assign", kmeans_assign_torch)
+    monkeypatch.setattr(packing, "kmeans_update", kmeans_update_torch)
     quant = QuantConfig(bits=2, centroids=4, block_size=8, keep_recent_chunks=0, stages=2)
     steps = ((0, None), (3, 1), (6, None), (6, None), (9, 1), (12, None), (12, None), (15, 1), (18, None))
     results = {}
@@ -377,6 +385,8 @@ def test_cache_mixed_views_one_launch_identical_to_torch(monkeypatch, dtype):
         pool = BlockPool(64 * 1024, page_bytes=1024, device=DEVICE)
         cache = PagedCausalKVCache(pool=pool, batch_size=2, cache_size=12, num_heads=3, head_dim=16, dtype=dtype,
                                    device=DEVICE, sink_tokens=3, quant=quant)  # fmt: skip
+        if backend == "triton":
+            cache._run_cap = run_cap
         gen = torch.Generator().manual_seed(9)
         views, tables = [], []
         for start, hs in steps:
@@ -393,6 +403,7 @@ def test_cache_mixed_views_one_launch_identical_to_torch(monkeypatch, dtype):
                     assert len(calls["view_runs"]) == before[0] + 1
                     assert calls["packed_dequant"] == before[2]  # (no unpack in these steps)
                     tables.append((start, calls["view_runs"][-1]))
+                    assert run_cap is None or int(tables[-1][1][:, 3].max()) <= run_cap
         results[backend] = views
     assert any(kind == "packed" for _, _, src in results["torch"] for *_, kind in src)
     for (ka, va, sa), (kb, vb, sb) in zip(results["torch"], results["triton"], strict=True):

@@ -17,9 +17,12 @@ the bad value, like the torch references raise; costs a device sync per launch â
 
 from __future__ import annotations
 
+import importlib
 import os
+import sys
 import warnings
 from functools import cache
+from types import SimpleNamespace
 
 import torch
 
@@ -28,8 +31,14 @@ from .kmeans import kmeans_assign_torch, kmeans_update_torch
 from .page_write import page_fill_torch, page_write_torch
 from .residual_pack import residual_pack_torch
 from .view_build import view_build_torch
+from .view_runs import check_run_values, view_runs_torch
 
 _VALID = ("auto", "torch", "triton")
+#: The Triton kernel modules; all import, or the Triton backend is unavailable (auto falls back to torch).
+_TRITON_MODULES = (
+    "triton_page_write", "triton_view_build", "triton_view_runs", "triton_dequant", "triton_kmeans",
+    "triton_residual_pack",
+)  # fmt: skip
 
 
 def _choice() -> str:
@@ -43,7 +52,8 @@ def _choice() -> str:
 def _triton_import_error() -> str | None:
     """None when the Triton kernel modules import, else why not (cached: one import attempt per process)."""
     try:
-        from . import triton_dequant, triton_kmeans, triton_page_write, triton_residual_pack, triton_view_build  # noqa: F401
+        for name in _TRITON_MODULES:
+            importlib.import_module(f".{name}", __package__)
     except Exception as exc:  # ImportError, or a broken triton install failing at import
         return f"{type(exc).__name__}: {exc}"
     return None
@@ -87,30 +97,30 @@ def _check_rows(rows: torch.Tensor, page_idx: torch.Tensor, slot_idx: torch.Tens
 
 
 def _triton(device: torch.device):
-    """The Triton kernel modules, after checking they can run on `device`."""
+    """The Triton kernel modules (attributes named like `_TRITON_MODULES`), after checking they run on `device`."""
     err = _triton_import_error()
     if err is not None:
         raise RuntimeError(
             f"PAGEDQVG_KERNELS=triton but the Triton kernels cannot be imported ({err}); install triton or set "
             f"PAGEDQVG_KERNELS=torch"
         )
-    from . import triton_dequant, triton_kmeans, triton_page_write, triton_residual_pack, triton_view_build
     from .triton_common import is_interpreted
+    from .triton_view_build import _view_build_kernel
 
-    if device.type != "cuda" and not is_interpreted(triton_view_build._view_build_kernel):
+    if device.type != "cuda" and not is_interpreted(_view_build_kernel):
         raise RuntimeError(
             f"Triton kernels on {device.type} tensors run in Triton's interpreter, which needs TRITON_INTERPRET=1 in "
             f"the environment before triton and pagedqvg's Triton kernels are imported; set it at process start, "
             f"or set PAGEDQVG_KERNELS=torch (or auto) for {device.type} tensors"
         )
-    return triton_page_write, triton_view_build, triton_dequant, triton_kmeans, triton_residual_pack
+    return SimpleNamespace(**{name: sys.modules[f"{__package__}.{name}"] for name in _TRITON_MODULES})
 
 
 def page_write(rows, page_idx, slot_idx, head_start, key, value) -> None:
     """Scatter key/value into token rows (see page_write.py)."""
     if kernel_backend(rows.device) == "triton":
         _check_rows(rows, page_idx, slot_idx)
-        _triton(rows.device)[0].page_write_triton(rows, page_idx, slot_idx, head_start, key, value)
+        _triton(rows.device).triton_page_write.page_write_triton(rows, page_idx, slot_idx, head_start, key, value)
     else:
         page_write_torch(rows, page_idx, slot_idx, head_start, key, value)
 
@@ -119,7 +129,7 @@ def page_fill(rows, page_idx, slot_idx, fill: float = 0.0) -> None:
     """Fill every head of the addressed token rows."""
     if kernel_backend(rows.device) == "triton":
         _check_rows(rows, page_idx, slot_idx)
-        _triton(rows.device)[0].page_fill_triton(rows, page_idx, slot_idx, fill)
+        _triton(rows.device).triton_page_write.page_fill_triton(rows, page_idx, slot_idx, fill)
     else:
         page_fill_torch(rows, page_idx, slot_idx, fill)
 
@@ -128,7 +138,8 @@ def view_build(rows, page_idx, slot_idx, head_start, num_heads, out):
     """Gather visible token rows into `out` (see view_build.py)."""
     if kernel_backend(rows.device) == "triton":
         _check_rows(rows, page_idx, slot_idx)
-        return _triton(rows.device)[1].view_build_triton(rows, page_idx, slot_idx, head_start, num_heads, out)
+        kernels = _triton(rows.device).triton_view_build
+        return kernels.view_build_triton(rows, page_idx, slot_idx, head_start, num_heads, out)
     return view_build_torch(rows, page_idx, slot_idx, head_start, num_heads, out)
 
 
@@ -141,7 +152,8 @@ def packed_dequant(tokens, codebooks, pieces, cb_pages, head_start, out_t, fmt) 
                 raise IndexError(f"packed piece table leaves the token pages: {pieces.tolist()}")
             if int(cb_pages.max()) >= codebooks.shape[0]:
                 raise IndexError(f"codebook page out of range: {cb_pages.tolist()} (pages: {codebooks.shape[0]})")
-        _triton(out_t.device)[2].packed_dequant_triton(tokens, codebooks, pieces, cb_pages, head_start, out_t, fmt)
+        kernels = _triton(out_t.device).triton_dequant
+        kernels.packed_dequant_triton(tokens, codebooks, pieces, cb_pages, head_start, out_t, fmt)
     else:
         packed_dequant_torch(tokens, codebooks, pieces, cb_pages, head_start, out_t, fmt)
 
@@ -150,7 +162,7 @@ def kmeans_assign(x, c):
     """Nearest-centroid ids int64 [H, S] of x [H, S, D] among c [H, K, D] (see kmeans.py; Triton may differ from
     torch on near-ties only)."""
     if kernel_backend(x.device) == "triton":
-        return _triton(x.device)[3].kmeans_assign_triton(x, c)
+        return _triton(x.device).triton_kmeans.kmeans_assign_triton(x, c)
     return kmeans_assign_torch(x, c)
 
 
@@ -162,7 +174,7 @@ def kmeans_update(x, ids, c_old):
             lo, hi = int(ids.min()), int(ids.max())
             if lo < 0 or hi >= c_old.shape[1]:
                 raise IndexError(f"centroid id out of range: {lo}..{hi}, valid 0..{c_old.shape[1] - 1}")
-        return _triton(x.device)[3].kmeans_update_triton(x, ids, c_old)
+        return _triton(x.device).triton_kmeans.kmeans_update_triton(x, ids, c_old)
     return kmeans_update_torch(x, ids, c_old)
 
 
@@ -171,7 +183,7 @@ def residual_pack(resid, ids, dest, page_idx, slot_idx, fmt) -> None:
     residual_pack.py). Same bytes on both backends."""
     if kernel_backend(dest.device) == "triton":
         _check_rows(dest, page_idx, slot_idx)
-        _triton(dest.device)[4].residual_pack_triton(resid, ids, dest, page_idx, slot_idx, fmt)
+        _triton(dest.device).triton_residual_pack.residual_pack_triton(resid, ids, dest, page_idx, slot_idx, fmt)
     else:
         residual_pack_torch(resid, ids, dest, page_idx, slot_idx, fmt)
 
@@ -180,14 +192,11 @@ def view_runs(rows, tokens, codebooks, cb_pages, runs, head_start, out_t, fmt, m
     """A whole mixed view from its run table: dense rows copied, packed rows dequantized, zero rows (see
     view_runs.py); K and V of every run in one Triton launch. `tokens`/`codebooks`/`cb_pages`/`fmt` are None for a
     cache without packed segments."""
-    from .view_runs import check_run_values, view_runs_torch
-
     if kernel_backend(out_t.device) == "triton":
         if os.environ.get("PAGEDQVG_KERNEL_CHECKS", "0") == "1":
             check_run_values(rows, tokens, codebooks, cb_pages, runs, out_t, fmt, max_run)
-        _triton(out_t.device)  # importable and runnable on this device, or a RuntimeError saying why
-        from .triton_view_runs import view_runs_triton
-
-        view_runs_triton(rows, tokens, codebooks, cb_pages, runs, head_start, out_t, fmt, max_run)
+        _triton(out_t.device).triton_view_runs.view_runs_triton(
+            rows, tokens, codebooks, cb_pages, runs, head_start, out_t, fmt, max_run
+        )
     else:
         view_runs_torch(rows, tokens, codebooks, cb_pages, runs, head_start, out_t, fmt, max_run)

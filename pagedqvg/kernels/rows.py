@@ -37,3 +37,13 @@ def segment_row_index(
     kv, b = kv_batch // batch, kv_batch % batch
     slot = kv * (tpp * batch) + (t % tpp) * batch + b
     return pages_t[t // tpp].expand_as(slot), slot
+
+
+def int64_on(values: list[int], device: torch.device) -> torch.Tensor:
+    """`values` as an int64 tensor on `device`. On CUDA through pinned host memory and a non-blocking copy, so
+    building a plan's index or run table does not synchronize the host with the GPU (PyTorch's pinned-memory
+    allocator keeps the staging buffer alive until the copy has run)."""
+    t = torch.tensor(values, dtype=torch.int64)
+    if torch.device(device).type != "cuda":
+        return t.to(device)
+    return t.pin_memory().to(device, non_blocking=True)

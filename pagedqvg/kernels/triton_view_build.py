@@ -6,10 +6,11 @@ view order, whatever segment each row comes from (see rows.py). Grid: `(cdiv(B *
 cdiv(Hin, HEADS_PER_BLOCK), 2)`; program `(i, j, kv)` gathers flat rows `r = b * T + t` in
 `[i * BLOCK_R, (i + 1) * BLOCK_R)`, heads `[j * HEADS_PER_BLOCK, ...)`, and writes them to `out`. A copy: bit-exact.
 
-The cache uses this kernel for views of one dense range. Views that hold PRQ-packed segments, slots the cache
-never filled (zeros) or several ranges go through the mixed view build instead (view_runs.py,
-triton_view_runs.py): one launch over a run table that has a kind per run (dense / packed / zero); its dense runs
-copy rows exactly like this kernel, its packed runs dequantize in registers (`triton_dequant.packed_tile`).
+The cache uses this kernel for views of dense rows only (one range or several: their row indices concatenated).
+Views that hold PRQ-packed segments or slots the cache never filled (zeros) go through the mixed view build
+instead (view_runs.py, triton_view_runs.py): one launch over a run table that has a kind per run (dense / packed /
+zero); its dense runs copy rows exactly like this kernel, its packed runs dequantize in registers
+(`triton_dequant.packed_tile`).
 
 Compile-time constants are the layer shape only; `num_rows`, `n_tokens` (T), `head_start` and `num_heads_in` are
 runtime and not specialized on, so the view length never triggers a recompile.

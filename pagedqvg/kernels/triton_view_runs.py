@@ -74,7 +74,7 @@ def _view_runs_kernel(
     mask3 = mask2[:, :, None] & (d < HEAD_DIM)[None, None, :]  # [R, C, D]
     d3 = d[None, None, :]
     orow = (out_row + r) * os0  # [R]
-    ocol = kv.to(tl.int64) * os1 + b.to(tl.int64) * os2 + h * os3  # [C]
+    ocol = kv.to(tl.int64) * os1 + b.to(tl.int64) * os2 + h.to(tl.int64) * os3  # [C]
     optr = out_ptr + (orow[:, None] + ocol[None, :])[:, :, None] + d3 * os4
 
     if kind == 0:  # dense token rows (row (kv * tpp + slot) * B + b of the page): a copy
@@ -96,6 +96,9 @@ def _view_runs_kernel(
     elif kind == 2:  # rows the cache never filled
         tl.store(optr, tl.zeros([BLOCK_R, HEADS_PER_BLOCK, BLOCK_D], dtype=out_ptr.dtype.element_ty), mask=mask3)
 
+
+#: CUDA's limit on grid axes 1 and 2.
+_GRID_YZ_MAX = 65535
 
 #: Format constexprs of a cache without packed sources (the packed branch is not compiled).
 _NO_FORMAT = dict(CODE_KIND=0, ASYM=False, QMAX=0, BLOCK_SIZE=1, STAGES=1, PER_HEAD_BYTES=0, SCALES_OFFSET=0,
@@ -134,6 +137,11 @@ def view_runs_launch(
     # Columns are the (kv, b, head) records of a token: the tile of a layer with 2 * B * H heads.
     tile = tile_for(d, 2 * B * rows.shape[2], block_rows, block_cols, interpreted=is_interpreted(_view_runs_kernel))
     grid = (P, cdiv(bound, tile.block_r), cdiv(2 * B * heads, tile.heads_per_block))
+    if grid[1] > _GRID_YZ_MAX or grid[2] > _GRID_YZ_MAX:
+        raise ValueError(
+            f"view_runs grid {grid} exceeds CUDA's {_GRID_YZ_MAX} programs on axis 1/2: pass max_run (the longest "
+            f"run; {tile.block_r * _GRID_YZ_MAX} rows at most, the cache splits runs at a page) or fewer columns"
+        )
     if fmt is None:  # no packed sources: placeholders the kernel never reads
         tokens_a, codebooks_a, cb_pages_a, cb_rpp = (rows, 0, 0, 0, 0), (rows, 0, 0, 0, 0), runs, 1
         fmt_kw = dict(_NO_FORMAT, OUT_KIND=_OUT_KIND[rows.dtype])
