@@ -278,47 +278,30 @@ def bench_shape(shape: Shape, args: argparse.Namespace, device: torch.device, dt
 
     # ---- one compile per layer shape: views and chunks of other lengths reuse the compiled kernels
     if device.type == "cuda":
-        before = (_compiled(_view_build_kernel, device), _compiled(_page_write_kernel, device))
-        for t in (1, 17, shape.tokens_per_frame, T - 1):
-            out = torch.empty(2, B, t, H, D, dtype=dtype, device=device)
-            view_build_triton(rows_rp, pidx[:, :, :t], sidx[:, :, :t], 0, H, out, **tile_kw)
-        for m in (1, 17, n - 1):
-            page_write_triton(rows_rp, wp[:, :, :m], ws[:, :, :m], 0, key[:, :m], value[:, :m], **tile_kw)
-        torch.cuda.synchronize(device)
-        after = (_compiled(_view_build_kernel, device), _compiled(_page_write_kernel, device))
-        recompiled = before != after and None not in before
-        ok &= not recompiled
-        print(
-            f"  compiled kernels (view_build, page_write) before/after other lengths: {before} -> {after}"
-            + ("  RECOMPILED" if recompiled else "  ok")
-        )
+
+        def other_lengths() -> None:
+            for t in (1, 17, shape.tokens_per_frame, T - 1):
+                out = torch.empty(2, B, t, H, D, dtype=dtype, device=device)
+                view_build_triton(rows_rp, pidx[:, :, :t], sidx[:, :, :t], 0, H, out, **tile_kw)
+            for m in (1, 17, n - 1):
+                page_write_triton(rows_rp, wp[:, :, :m], ws[:, :, :m], 0, key[:, :m], value[:, :m], **tile_kw)
+
+        ok &= _no_recompile("view_build, page_write", "lengths", (_view_build_kernel, _page_write_kernel),
+                            other_lengths, device)  # fmt: skip
         if packed is not None:
             from pagedqvg.kernels.triton_dequant import _packed_dequant_kernel
-
-            before = _compiled(_packed_dequant_kernel, device)
-            for t0, t1 in ((0, 1), (3, 20), (1, packed.seg_tokens[0] - 1)):
-                packed.run_segment(0, t0, t1, triton=True)
-            torch.cuda.synchronize(device)
-            after = _compiled(_packed_dequant_kernel, device)
-            recompiled = before != after and before is not None
-            ok &= not recompiled
-            print(
-                f"  compiled kernels (packed_dequant) before/after other ranges: {before} -> {after}"
-                + ("  RECOMPILED" if recompiled else "  ok")
-            )
             from pagedqvg.kernels.triton_view_runs import _view_runs_kernel
 
-            before = _compiled(_view_runs_kernel, device)
-            for t in (1, 17, mixed.tokens // 2):
-                mixed.run(t, triton=True, tile_kw=tile_kw)
-            torch.cuda.synchronize(device)
-            after = _compiled(_view_runs_kernel, device)
-            recompiled = before != after and before is not None
-            ok &= not recompiled
-            print(
-                f"  compiled kernels (view_runs) before/after other view lengths: {before} -> {after}"
-                + ("  RECOMPILED" if recompiled else "  ok")
-            )
+            def other_ranges() -> None:
+                for t0, t1 in ((0, 1), (3, 20), (1, packed.seg_tokens[0] - 1)):
+                    packed.run_segment(0, t0, t1, triton=True)
+
+            def other_views() -> None:
+                for t in (1, 17, mixed.tokens // 2):
+                    mixed.run(t, triton=True, tile_kw=tile_kw)
+
+            ok &= _no_recompile("packed_dequant", "ranges", (_packed_dequant_kernel,), other_ranges, device)
+            ok &= _no_recompile("view_runs", "view lengths", (_view_runs_kernel,), other_views, device)
     return results, ok
 
 
@@ -653,6 +636,19 @@ class Setup:
 def _bits_equal(a: torch.Tensor, b: torch.Tensor) -> bool:
     it = {1: torch.int8, 2: torch.int16, 4: torch.int32, 8: torch.int64}[a.element_size()]
     return bool(torch.equal(a.contiguous().view(it), b.contiguous().view(it)))
+
+
+def _no_recompile(label: str, what: str, kernels: tuple, run, device: torch.device) -> bool:
+    """Run `run` (calls of other sizes) and check that `kernels` hold as many compiled binaries as before; prints
+    the counts. True when nothing recompiled (or this Triton hides its cache)."""
+    before = tuple(_compiled(k, device) for k in kernels)
+    run()
+    torch.cuda.synchronize(device)
+    after = tuple(_compiled(k, device) for k in kernels)
+    recompiled = before != after and None not in before
+    print(f"  compiled kernels ({label}) before/after other {what}: {before} -> {after}"
+          + ("  RECOMPILED" if recompiled else "  ok"))  # fmt: skip
+    return not recompiled
 
 
 def _compiled(kernel, device: torch.device):

@@ -14,14 +14,17 @@ writes anywhere it should not fails too.
 
 from __future__ import annotations
 
-import json
-import subprocess
-import sys
 import zlib
 
 import pytest
 import torch
-from triton_env import REPO, bits, clean_env, kernel_device, random_bits, rerun_interpreted  # sets TRITON_INTERPRET
+from triton_env import (  # sets TRITON_INTERPRET
+    bits,
+    compiled_mode_json,
+    kernel_device,
+    random_bits,
+    rerun_interpreted,
+)
 
 from pagedqvg import BlockPool, PagedCausalKVCache
 from pagedqvg.kernels import dispatch
@@ -322,12 +325,7 @@ def test_compiled_mode_one_specialization_per_layer_shape_and_ptx():
     """In compiled mode (fresh process, TRITON_INTERPRET unset): only layer shapes are constexpr, the JIT key is the
     same for every chunk/view length at the LingBot-World and LongLive2 shapes, the kernels compile for sm_90 (no GPU
     needed) with 16-byte vector loads/stores, and forcing Triton on CPU tensors says how to fix it."""
-    env = clean_env(PAGEDQVG_KERNELS="triton", TRITON_DEFAULT_FP_FUSION="1")
-    proc = subprocess.run(
-        [sys.executable, "-c", _AOT_SCRIPT, "compile"], cwd=REPO, env=env, capture_output=True, text=True, timeout=600
-    )
-    assert proc.returncode == 0, proc.stderr[-4000:]
-    result = json.loads(proc.stdout.split("JSON", 1)[1])
+    result = compiled_mode_json(_AOT_SCRIPT, "compile", PAGEDQVG_KERNELS="triton")
     assert result["interpreted"] is False
     assert "TRITON_INTERPRET=1" in result["cpu_forced_triton"]
     layer = {"HEAD_DIM", "BLOCK_R", "BLOCK_D", "HEADS_PER_BLOCK"}

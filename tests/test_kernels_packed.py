@@ -20,15 +20,17 @@ on CUDA tensors with compiled kernels.
 
 from __future__ import annotations
 
-import json
-import re
-import subprocess
-import sys
 import zlib
 
 import pytest
 import torch
-from triton_env import REPO, bits, clean_env, kernel_device, random_bits, rerun_interpreted  # sets TRITON_INTERPRET
+from triton_env import (  # sets TRITON_INTERPRET
+    bits,
+    compiled_mode_json,
+    kernel_device,
+    random_bits,
+    rerun_interpreted,
+)
 
 from pagedqvg import BlockPool, PagedCausalKVCache
 from pagedqvg.kernels import dispatch
@@ -416,13 +418,7 @@ def test_compiled_mode_specialization_and_ptx():
     """Compiled mode (fresh process, no GPU needed): one specialization per layer shape and format whatever the
     token count, head slice or piece count; the dequant kernel compiles for sm_90 and sm_80 (no fp8 hardware type
     needed) with 16-byte stores; the k-means dot products are IEEE fp32 (no TF32)."""
-    env = clean_env(TRITON_DEFAULT_FP_FUSION="1")
-    proc = subprocess.run([sys.executable, "-c", _AOT_SCRIPT], cwd=REPO, env=env, capture_output=True, text=True,
-                          timeout=600)  # fmt: skip
-    if proc.returncode != 0 and re.search(r"(ImportError|AttributeError|TypeError).*triton", proc.stderr[-2000:]):
-        pytest.skip(f"this Triton version moved the internals the AOT check uses: {proc.stderr[-500:]}")
-    assert proc.returncode == 0, proc.stderr[-4000:]
-    res = json.loads(proc.stdout.split("JSON", 1)[1])
+    res = compiled_mode_json(_AOT_SCRIPT)
     dq = res["params"]["_packed_dequant_kernel"]
     assert {"num_tokens", "batch", "head_start", "heads", "head_blocks"} <= set(dq["not_specialized"])
     assert "HEAD_DIM" in dq["constexpr"] and "num_tokens" not in dq["constexpr"]

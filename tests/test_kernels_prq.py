@@ -16,15 +16,16 @@ fresh process if triton was imported in compiled mode first). On a CUDA machine 
 
 from __future__ import annotations
 
-import json
-import re
-import subprocess
-import sys
 import zlib
 
 import pytest
 import torch
-from triton_env import REPO, clean_env, kernel_device, random_bits, rerun_interpreted  # sets TRITON_INTERPRET
+from triton_env import (  # sets TRITON_INTERPRET
+    compiled_mode_json,
+    kernel_device,
+    random_bits,
+    rerun_interpreted,
+)
 
 from pagedqvg import BlockPool
 from pagedqvg.kernels import dispatch
@@ -381,12 +382,7 @@ print("JSON" + json.dumps(res))
 def test_compiled_mode_specialization_and_ptx():
     """Compiled mode (fresh process, no GPU needed): both kernels compile for sm_90, one specialization per layer
     format whatever the token count, IEEE divisions only (no div.approx), no TF32 in the update's dot."""
-    proc = subprocess.run([sys.executable, "-c", _AOT_SCRIPT], cwd=REPO, env=clean_env(TRITON_DEFAULT_FP_FUSION="1"),
-                          capture_output=True, text=True, timeout=600)  # fmt: skip
-    if proc.returncode != 0 and re.search(r"(ImportError|AttributeError|TypeError).*triton", proc.stderr[-2000:]):
-        pytest.skip(f"this Triton version moved the internals the AOT check uses: {proc.stderr[-500:]}")
-    assert proc.returncode == 0, proc.stderr[-4000:]
-    res = json.loads(proc.stdout.split("JSON", 1)[1])
+    res = compiled_mode_json(_AOT_SCRIPT)
     assert "num_tokens" in res["params"]["_residual_pack_kernel"]
     assert {"num_tokens", "num_centroids"} <= set(res["params"]["_kmeans_update_kernel"])
     for name in ("int2", "int4asym2", "trits", "update"):

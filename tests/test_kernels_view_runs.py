@@ -18,15 +18,17 @@ run on CUDA tensors with compiled kernels.
 from __future__ import annotations
 
 import itertools
-import json
-import re
-import subprocess
-import sys
 import zlib
 
 import pytest
 import torch
-from triton_env import REPO, bits, clean_env, kernel_device, random_bits, rerun_interpreted  # sets TRITON_INTERPRET
+from triton_env import (  # sets TRITON_INTERPRET
+    bits,
+    compiled_mode_json,
+    kernel_device,
+    random_bits,
+    rerun_interpreted,
+)
 
 from pagedqvg import BlockPool, PagedCausalKVCache
 from pagedqvg.kernels import dispatch
@@ -501,13 +503,7 @@ print("JSON" + json.dumps(res))
 def test_compiled_mode_one_specialization_per_layer_shape_and_ptx():
     """Compiled mode (fresh process, no GPU needed): one JIT key per layer shape and format whatever the view
     length, run count, head slice or max_run; the kernel compiles for sm_90/sm_80 with 16-byte loads and stores."""
-    env = clean_env(TRITON_DEFAULT_FP_FUSION="1")
-    proc = subprocess.run([sys.executable, "-c", _AOT_SCRIPT], cwd=REPO, env=env, capture_output=True, text=True,
-                          timeout=600)  # fmt: skip
-    if proc.returncode != 0 and re.search(r"(ImportError|AttributeError|TypeError).*triton", proc.stderr[-2000:]):
-        pytest.skip(f"this Triton version moved the internals the AOT check uses: {proc.stderr[-500:]}")
-    assert proc.returncode == 0, proc.stderr[-4000:]
-    res = json.loads(proc.stdout.split("JSON", 1)[1])
+    res = compiled_mode_json(_AOT_SCRIPT)
     params = res["params"]
     assert {"num_tokens", "batch", "head_start", "heads", "dense_tpp"} <= set(params["not_specialized"])
     assert "HEAD_DIM" in params["constexpr"] and "num_tokens" not in params["constexpr"]

@@ -1,4 +1,4 @@
-"""Where the Triton kernel tests run, shared by tests/test_kernels.py and tests/test_kernels_packed.py.
+"""Where the Triton kernel tests run, shared by the tests/test_kernels*.py files.
 
 Importing this module before anything imports triton sets TRITON_INTERPRET=1 when there is no CUDA device (Triton
 reads it when it decorates kernels), so the kernels run in Triton's interpreter on CPU tensors. If triton was
@@ -71,3 +71,21 @@ def rerun_interpreted(test_file: str) -> None:
     passed = re.search(r"(\d+) passed", summary)
     skipped = re.search(r"(\d+) skipped", summary)
     assert passed and int(passed.group(1)) > 0 and (not skipped or int(skipped.group(1)) <= 1), summary
+
+
+def compiled_mode_json(script: str, *args: str, **env: str) -> dict:
+    """Run `script` (which prints `JSON{...}`) in a fresh compiled-mode process (TRITON_INTERPRET unset, FP fusion
+    on as on a GPU, plus `env`) and return the JSON. Skips the calling test when the script fails inside Triton's
+    internals (`triton_aot` uses some; a newer Triton may move them), fails it on any other error."""
+    import json
+
+    import pytest
+
+    proc = subprocess.run(
+        [sys.executable, "-c", script, *args], cwd=REPO, env=clean_env(TRITON_DEFAULT_FP_FUSION="1", **env),
+        capture_output=True, text=True, timeout=600,
+    )  # fmt: skip
+    if proc.returncode != 0 and re.search(r"(ImportError|AttributeError|TypeError).*triton", proc.stderr[-2000:]):
+        pytest.skip(f"this Triton version moved the internals the AOT check uses: {proc.stderr[-500:]}")
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    return json.loads(proc.stdout.split("JSON", 1)[1])
