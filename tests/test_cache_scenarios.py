@@ -128,13 +128,10 @@ LINGBOT = {
 }
 
 
-@pytest.mark.parametrize("use_int", [False, True])
-@pytest.mark.parametrize("name", sorted(LINGBOT))
-def test_lingbot_world(name, use_int):
-    p = LINGBOT[name]
+def scenario_cfg(p: dict) -> dict:
+    """The cache shape of a scenario preset: its frame counts in tokens (`tpf` tokens per frame), 2 heads of 8."""
     tpf = p["tpf"]
-    n = p["chunk_frames"] * tpf
-    cfg = dict(
+    return dict(
         B=1,
         C=p["C"] * tpf,
         S=p["S"] * tpf,
@@ -145,6 +142,15 @@ def test_lingbot_world(name, use_int):
         dtype=torch.bfloat16,
         page_bytes=PAGE_BYTES,
     )
+
+
+@pytest.mark.parametrize("use_int", [False, True])
+@pytest.mark.parametrize("name", sorted(LINGBOT))
+def test_lingbot_world(name, use_int):
+    p = LINGBOT[name]
+    tpf = p["tpf"]
+    n = p["chunk_frames"] * tpf
+    cfg = scenario_cfg(p)
     per_seg = pages_for(cfg, n)
     sink_chunks = max(p["S"], p["GS"]) // p["chunk_frames"]
     window_chunks = (p["C"] - max(p["S"], p["GS"])) // p["chunk_frames"]
@@ -187,17 +193,7 @@ def test_longlive2_with_scene_cuts_and_cfg(name, use_int):
     p = LONGLIVE[name]
     tpf = p["tpf"]
     n = p["chunk_frames"] * tpf
-    cfg = dict(
-        B=1,
-        C=p["C"] * tpf,
-        S=p["S"] * tpf,
-        GS=p["GS"] * tpf,
-        W=None if p["W"] is None else p["W"] * tpf,
-        H=2,
-        D=8,
-        dtype=torch.bfloat16,
-        page_bytes=PAGE_BYTES,
-    )
+    cfg = scenario_cfg(p)
     per_seg = pages_for(cfg, n)
     max_live = -(-cfg["C"] // n) + 2  # at most: chunks overlapping the slots
     pool = BlockPool(capacity_bytes=2 * p["layers"] * max_live * per_seg * PAGE_BYTES, page_bytes=PAGE_BYTES)
