@@ -53,23 +53,24 @@ def kmeans_update_torch(x: torch.Tensor, ids: torch.Tensor, c_old: torch.Tensor)
     return _update(x, ids, c_old)
 
 
+def _cluster_means64(values: torch.Tensor, ids: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """float64 per-cluster means `[H, K, D]` of `values` `[H, S, D]` grouped by `ids` (empty clusters: 0) and the
+    cluster sizes `[H, K, 1]`."""
+    onehot = torch.zeros(*ids.shape, k, dtype=torch.float64, device=values.device).scatter_(2, ids[..., None], 1.0)
+    counts = onehot.sum(1)[..., None]
+    return torch.bmm(onehot.transpose(1, 2), values.double()) / counts.clamp(min=1.0), counts
+
+
 def update_error_bound(x: torch.Tensor, ids: torch.Tensor, c_old: torch.Tensor) -> torch.Tensor:
     """Per (h, k, d) bound on |computed mean - exact mean| for any fp32 summation order (float64 [H, K, D], for
     tests): a sum of n terms is off by at most (n - 1) * 2^-24 * sum |x|, the division adds half an ulp."""
-    H, K = x.shape[0], c_old.shape[1]
-    onehot = torch.zeros(H, x.shape[1], K, dtype=torch.float64, device=x.device).scatter_(2, ids[..., None], 1.0)
-    counts = onehot.sum(1)[..., None]  # [H, K, 1]
-    abs_sum = torch.bmm(onehot.transpose(1, 2), x.double().abs())  # [H, K, D]
-    mean_abs = abs_sum / counts.clamp(min=1.0)
+    mean_abs, counts = _cluster_means64(x.abs(), ids, c_old.shape[1])
     return (counts - 1).clamp(min=0) * 2.0**-24 * mean_abs + 2.0**-24 * mean_abs
 
 
 def exact_means(x: torch.Tensor, ids: torch.Tensor, c_old: torch.Tensor) -> torch.Tensor:
     """Cluster means in float64 (empty clusters: c_old), for tests."""
-    H, K = x.shape[0], c_old.shape[1]
-    onehot = torch.zeros(H, x.shape[1], K, dtype=torch.float64, device=x.device).scatter_(2, ids[..., None], 1.0)
-    counts = onehot.sum(1)[..., None]
-    means = torch.bmm(onehot.transpose(1, 2), x.double()) / counts.clamp(min=1.0)
+    means, counts = _cluster_means64(x, ids, c_old.shape[1])
     return torch.where(counts > 0, means, c_old.double())
 
 
