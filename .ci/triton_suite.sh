@@ -28,32 +28,10 @@ if (( ${#files[@]} == 0 )); then
   exit 5
 fi
 
-plugin_args=()
-if [[ "$PAGEDQVG_FUZZ_PROFILE" == "interp" ]] && ! grep -q '"interp"' tests/conftest.py; then
-  # tests/conftest.py does not define the "interp" profile yet: register it from a throwaway plugin, which pytest
-  # loads before conftest.py calls settings.load_profile().
-  plugdir="$(mktemp -d)"
-  trap 'rm -rf "$plugdir"' EXIT
-  cat >"$plugdir/pagedqvg_interp_profile.py" <<'PY'
-from hypothesis import HealthCheck, settings
-
-settings.register_profile(
-    "interp",
-    max_examples=20,
-    stateful_step_count=25,
-    deadline=None,
-    suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large],
-)
-PY
-  export PYTHONPATH="$plugdir${PYTHONPATH:+:$PYTHONPATH}"
-  plugin_args=(-p pagedqvg_interp_profile)
-  echo "triton_suite: tests/conftest.py has no \"interp\" profile; using 20 examples x 25 steps" >&2
-fi
-
 echo "triton_suite: PAGEDQVG_KERNELS=$PAGEDQVG_KERNELS TRITON_INTERPRET=$TRITON_INTERPRET" \
   "PAGEDQVG_FUZZ_PROFILE=$PAGEDQVG_FUZZ_PROFILE: ${files[*]}" >&2
 start=$SECONDS
 status=0
-"$PYTHON" -m pytest -q -p no:cacheprovider "${plugin_args[@]}" --durations=10 "${files[@]}" "$@" || status=$?
+"$PYTHON" -m pytest -q -p no:cacheprovider --durations=10 "${files[@]}" "$@" || status=$?
 echo "triton_suite: exit $status after $((SECONDS - start)) s" >&2
 exit "$status"
