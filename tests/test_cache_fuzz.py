@@ -530,26 +530,17 @@ def test_pool_exhausted_changes_nothing(use_int):
         caches[i].update_and_get_attention_kv(key=k, value=v, current_chunk_start=s)
         refs[i].update_and_get_attention_kv(k, v, s)
     assert pool.stats().used_pages == 4 and pool.num_free_pages == 1
-    before = (
-        pool.stats(),
-        pool.debug_state(),
-        caches[0].resident_nbytes(),
-        caches[0].global_end_index_int,
-        int(caches[0].global_end_index.item()),
-        caches[0].local_end_index_int,
-    )
+
+    def snapshot():
+        cache = caches[0]
+        return (pool.stats(), pool.debug_state(), cache.resident_nbytes(), cache.global_end_index_int,
+                int(cache.global_end_index.item()), cache.local_end_index_int)  # fmt: skip
+
+    before = snapshot()
     k, v = _kv(4, 99)
     with pytest.raises(PoolExhaustedError):
         caches[0].update_and_get_attention_kv(key=k, value=v, current_chunk_start=4)
-    after = (
-        pool.stats(),
-        pool.debug_state(),
-        caches[0].resident_nbytes(),
-        caches[0].global_end_index_int,
-        int(caches[0].global_end_index.item()),
-        caches[0].local_end_index_int,
-    )
-    assert before == after
+    assert snapshot() == before
     pool.check()
     # the cache still works and still equals the reference: an in-place rewrite, and a 1-page append
     k, v = _kv(4, 7)

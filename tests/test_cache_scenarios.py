@@ -11,7 +11,7 @@ from __future__ import annotations
 import pytest
 import torch
 from dense_reference import DenseReferenceCache
-from test_cache_fuzz import SegmentModel, pages_for
+from test_cache_fuzz import SegmentModel, cache_kwargs, pages_for
 
 from pagedqvg import BlockPool, PagedCausalKVCache, make_layer_caches
 
@@ -31,15 +31,7 @@ class Stack:
 
     def __init__(self, pool, layers, cfg, use_int):
         self.cfg = cfg
-        kw = dict(
-            batch_size=cfg["B"],
-            cache_size=cfg["C"],
-            num_heads=cfg["H"],
-            head_dim=cfg["D"],
-            sink_tokens=cfg["S"],
-            attention_window_size=cfg["W"],
-            global_sink_tokens=cfg["GS"],
-        )
+        kw = cache_kwargs({**cfg, "grow": False})
         if use_int:
             self.caches = make_layer_caches(
                 layers, pool=pool, dtype=cfg["dtype"], device="cpu", use_int_indices=True, **kw
