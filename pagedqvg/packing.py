@@ -79,9 +79,10 @@ class PackedStore:
         self.cb_rpp = cb.rows_per_page
         self.codebook_view = raw[:, : cb.rows_per_page * cb.row_bytes].view(pool.num_pages, cb.rows_per_page, -1)
         self.num_cb_rows = 2 * batch_size * self.layout.codebook_rows
-        # The codebook region again, typed: [num_pages, rows_per_page, K, D] of the cache dtype (the kernel reads it).
+        # The codebook region again, typed: [num_pages, rows_per_page, K, D] of the codebook dtype (the cache dtype,
+        # or fp8 with codebook_fp8; the kernels read it).
         K = cfg.centroids
-        self.codebook_rows = pool.pages_as(dtype)[:, : cb.rows_per_page * K * head_dim].view(
+        self.codebook_rows = pool.pages_as(self.fmt.codebook_dtype)[:, : cb.rows_per_page * K * head_dim].view(
             pool.num_pages, cb.rows_per_page, K, head_dim
         )
         self.backend = kernel_backend(pool.device)

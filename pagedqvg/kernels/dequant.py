@@ -13,7 +13,8 @@ reads whole packed segments back (unpacking).
 Sources (both are views of the pool arena, see packing.PackedStore):
 
 - `tokens`: uint8 `[num_pages, tokens_per_page, 2, B, token_row_bytes]`, packed token rows (quant/format.py).
-- `codebooks`: `[num_pages, rows_per_page, K, D]` in the cache dtype, the codebook region of the pages; a
+- `codebooks`: `[num_pages, rows_per_page, K, D]` in the codebook dtype (the cache dtype, or float8_e4m3fn with
+  `codebook_fp8`), the codebook region of the pages; a
   segment's codebook rows are rows `0 .. 2*B*H*stages - 1` laid over its codebook pages (int64, from
   `cb_pages[cb_offset]` on): row `((kv * B + b) * H + h) * stages + s` at page
   `cb_pages[cb_offset + row // rows_per_page]`, slot `row % rows_per_page` (layout.PackedSegmentLayout). A
@@ -63,8 +64,9 @@ def check_packed_dequant(
         raise ValueError(f"token rows of {tokens.shape[4]} B (stride {tokens.stride(4)}) do not match the format's "
                          f"contiguous {fmt.token_row_bytes} B rows")  # fmt: skip
     K, D = fmt.cfg.centroids, fmt.head_dim
-    if codebooks.dim() != 4 or tuple(codebooks.shape[2:]) != (K, D) or codebooks.dtype != fmt.dtype:
-        raise ValueError(f"codebooks must be {fmt.dtype} [num_pages, rows_per_page, {K}, {D}], got {codebooks.dtype} "
+    cb_dtype = fmt.codebook_dtype
+    if codebooks.dim() != 4 or tuple(codebooks.shape[2:]) != (K, D) or codebooks.dtype != cb_dtype:
+        raise ValueError(f"codebooks must be {cb_dtype} [num_pages, rows_per_page, {K}, {D}], got {codebooks.dtype} "
                          f"{tuple(codebooks.shape)}")  # fmt: skip
     if pieces.dtype != torch.int64 or pieces.dim() != 2 or pieces.shape[1] != 5:
         raise ValueError(f"pieces must be int64 [P, 5], got {pieces.dtype} {tuple(pieces.shape)}")

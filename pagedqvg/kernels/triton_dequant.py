@@ -13,7 +13,8 @@ too. This kernel remains for packed-only reads (`PackedStore.dequantize_into`: u
 
 Bit-exactness with the torch reference (`prq_dequantize`), for every finite input:
 - fp8 e4m3 scales/zeros are decoded with integer ops into exact fp32 (no fp8 hardware type: works on sm_80, and
-  the interpreter's fp8 path is not used); bf16 codebook values are widened by a 16-bit shift (exact).
+  the interpreter's fp8 path is not used); bf16 codebook values are widened by a 16-bit shift (exact); fp8
+  codebooks (`codebook_fp8`) are read as bytes and decoded like the scales (the launch passes a uint8 view).
 - `(c - qmax) * scale` and `c * scale` are exact in fp32 (integers < 16 times 4-significant-bit scales), so a
   fused multiply-add on the GPU rounds exactly like torch's separate multiply and add; the centroid adds are
   plain fp32 adds in stage order.
@@ -72,14 +73,14 @@ def packed_tile(
     tok_ptr,  # uint8 [num_pages, tpp, 2, B, row_bytes], last stride 1
     row_off,  # [R] int64: byte offset of each tile row's token (page * ts0 + slot * ts1)
     col_off,  # [C]: byte offset of each tile column's record in that token (kv * ts2 + b * ts3 + h * per-head bytes)
-    cb_ptr, cs0, cs1, cs2, cs3,  # [num_pages, cb_rows_per_page, K, D], cache dtype
+    cb_ptr, cs0, cs1, cs2, cs3,  # [num_pages, cb_rows_per_page, K, D], cache dtype (CB_FP8: uint8 fp8 bytes)
     seg_cb_pages,  # int64 pointer: this segment's codebook pages
     head_row,  # [C] int64: codebook row of each column's stage 0, ((kv * B + b) * H + h) * STAGES
     cmask, d3, mask2, mask3,  # valid columns [C], channels [1, 1, D], valid [R, C] and [R, C, D]
     cb_rows_per_page, out_ptr,
     CODE_KIND: tl.constexpr, ASYM: tl.constexpr, QMAX: tl.constexpr, BLOCK_SIZE: tl.constexpr,
     STAGES: tl.constexpr, PER_HEAD_BYTES: tl.constexpr, SCALES_OFFSET: tl.constexpr, ZEROS_OFFSET: tl.constexpr,
-    IDS_OFFSET: tl.constexpr, OUT_KIND: tl.constexpr,
+    IDS_OFFSET: tl.constexpr, OUT_KIND: tl.constexpr, CB_FP8: tl.constexpr,
 ):  # fmt: skip
     """Dequantized `[R, C, D]` tile: rows are tokens, columns are (kv, b, head) records of them (any mix), in the
     element type of `out_ptr` (masked-off elements hold garbage; store with `mask3`). Shared by the packed view
@@ -118,7 +119,9 @@ def packed_tile(
         cb_base = cb_page * cs0 + (cb_row % cb_rows_per_page) * cs1  # [C]
         cptr = cb_ptr + cb_base[None, :, None] + ids * cs2 + d3 * cs3
         cent = tl.load(cptr, mask=mask3, other=0)
-        if OUT_KIND == 2:
+        if CB_FP8:
+            centf = _fp8e4m3_to_f32(cent)
+        elif OUT_KIND == 2:
             centf = (cent.to(tl.uint16, bitcast=True).to(tl.uint32) << 16).to(tl.float32, bitcast=True)
         else:
             centf = cent.to(tl.float32)
@@ -134,7 +137,7 @@ def packed_tile(
 @triton.jit(do_not_specialize=_RUNTIME)
 def _packed_dequant_kernel(
     tok_ptr, ts0, ts1, ts2, ts3,  # uint8 [num_pages, tpp, 2, B, row_bytes], last stride 1
-    cb_ptr, cs0, cs1, cs2, cs3,  # [num_pages, cb_rows_per_page, K, D], cache dtype
+    cb_ptr, cs0, cs1, cs2, cs3,  # [num_pages, cb_rows_per_page, K, D], cache dtype (CB_FP8: uint8 fp8 bytes)
     pieces_ptr,  # int64 [P, 5] contiguous: page, first slot, count, out row, codebook page offset
     cb_pages_ptr,  # int64 [n]
     out_ptr, os0, os1, os2, os3, os4,  # [T, 2, B, heads, D]
@@ -142,7 +145,7 @@ def _packed_dequant_kernel(
     HEAD_DIM: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_D: tl.constexpr, HEADS_PER_BLOCK: tl.constexpr,
     CODE_KIND: tl.constexpr, ASYM: tl.constexpr, QMAX: tl.constexpr, BLOCK_SIZE: tl.constexpr,
     STAGES: tl.constexpr, PER_HEAD_BYTES: tl.constexpr, SCALES_OFFSET: tl.constexpr, ZEROS_OFFSET: tl.constexpr,
-    IDS_OFFSET: tl.constexpr, OUT_KIND: tl.constexpr,
+    IDS_OFFSET: tl.constexpr, OUT_KIND: tl.constexpr, CB_FP8: tl.constexpr,
 ):  # fmt: skip
     pid_p = tl.program_id(0)
     pid_r = tl.program_id(1)
@@ -175,6 +178,7 @@ def _packed_dequant_kernel(
         tok_ptr, row_off, col_off, cb_ptr, cs0, cs1, cs2, cs3, seg_cb_pages, head_row, hmask, d3, mask2, mask3,
         cb_rows_per_page, out_ptr,
         CODE_KIND, ASYM, QMAX, BLOCK_SIZE, STAGES, PER_HEAD_BYTES, SCALES_OFFSET, ZEROS_OFFSET, IDS_OFFSET, OUT_KIND,
+        CB_FP8,
     )  # fmt: skip
     orow = (out_row + r) * os0 + kv * os1 + b * os2  # [R]
     optr = out_ptr + (orow[:, None] + (hh * os3)[None, :])[:, :, None] + d3 * os4
@@ -193,7 +197,13 @@ def format_constants(fmt: PackedFormat) -> dict:
         CODE_KIND=_code_kind(fmt), ASYM=bool(fmt.cfg.asymmetric), QMAX=fmt.qmax, BLOCK_SIZE=fmt.cfg.block_size,
         STAGES=fmt.cfg.stages, PER_HEAD_BYTES=fmt.per_head_bytes, SCALES_OFFSET=fmt.scales_offset,
         ZEROS_OFFSET=fmt.zeros_offset, IDS_OFFSET=fmt.ids_offset, OUT_KIND=_OUT_KIND[fmt.dtype],
+        CB_FP8=bool(fmt.cfg.codebook_fp8),
     )  # fmt: skip
+
+
+def kernel_codebooks(codebooks: torch.Tensor) -> torch.Tensor:
+    """The codebook tensor as the kernels read it: fp8 codebooks as their uint8 bytes (a view), others as is."""
+    return codebooks.view(torch.uint8) if codebooks.dtype == torch.float8_e4m3fn else codebooks
 
 
 def packed_dequant_launch(
@@ -220,6 +230,7 @@ def packed_dequant_launch(
         return None
     pieces = pieces.contiguous()
     cb_pages = cb_pages.contiguous()
+    codebooks = kernel_codebooks(codebooks)
     tile = tile_for(d, fmt.num_heads, block_rows, block_cols, interpreted=is_interpreted(_packed_dequant_kernel))
     head_blocks = cdiv(heads, tile.heads_per_block)
     grid = (P, cdiv(min(tokens.shape[1], T), tile.block_r), 2 * B * head_blocks)

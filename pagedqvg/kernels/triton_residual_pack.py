@@ -3,7 +3,8 @@
 Grid: `(cdiv(S, BLOCK_R), G)`. Program `(i, g)` packs tokens `[i * BLOCK_R, (i + 1) * BLOCK_R)` of folded head `g`:
 
 1. loads the residual as `[BLOCK_R, blocks, block_size]`, takes each block's max |r| (asymmetric: min and max),
-   computes the fp8 scale (and zero) and stores their bytes, and copies the stage ids;
+   (`fit_scales`: multiplies it by the block's fitted multiplier, found with the reference's exact int64 error
+   measure over the same tile), computes the fp8 scale (and zero) and stores their bytes, and copies the stage ids;
 2. for each of the `PER_BYTE` code positions of a code byte (2 for int4, 4 for int2, 5 for trits), loads that
    channel of every code byte as `[BLOCK_R, code_bytes]`, picks its block's scale out of the `[BLOCK_R, blocks]`
    registers (a select over blocks: no gather, no re-read of the stored bytes), rounds the code and folds it into
@@ -32,6 +33,7 @@ import triton
 import triton.language as tl
 
 from ..quant import PackedFormat
+from ..quant.prq import FIT_ONE, FIT_STEPS
 from .residual_pack import check_residual_pack
 from .triton_common import NUM_WARPS, cdiv, is_interpreted, next_pow2
 from .triton_dequant import _code_kind
@@ -80,7 +82,7 @@ def _residual_pack_kernel(
     QMAX: tl.constexpr, BLOCK_SIZE: tl.constexpr, NUM_BLOCKS: tl.constexpr, BLOCK_NB: tl.constexpr,
     BLOCK_BS: tl.constexpr, CODE_BYTES: tl.constexpr, BLOCK_CB: tl.constexpr, STAGES: tl.constexpr,
     BLOCK_ST: tl.constexpr, PER_HEAD_BYTES: tl.constexpr, SCALES_OFFSET: tl.constexpr, ZEROS_OFFSET: tl.constexpr,
-    IDS_OFFSET: tl.constexpr,
+    IDS_OFFSET: tl.constexpr, FIT: tl.constexpr, FIT_STEPS: tl.constexpr, FIT_ONE: tl.constexpr,
 ):  # fmt: skip
     g = tl.program_id(1).to(tl.int64)
     r = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
@@ -108,6 +110,21 @@ def _residual_pack_kernel(
         tl.store(rec[:, None] + ZEROS_OFFSET + nb[None, :], zero_byte.to(tl.uint8), mask=bmask)
     else:
         amax = tl.max(tl.abs(v), axis=2)
+        if FIT:  # fit_scales: the multiplier of least integer squared error (quant/prq.py, _fit_multiplier)
+            safe = tl.where(amax > 0, amax, 1.0)
+            u = _rne(tl.math.div_rn(tl.abs(v), tl.broadcast_to(safe[:, :, None], v.shape)) * FIT_ONE)
+            u = u.to(tl.int64) * QMAX
+            best_err = tl.full(amax.shape, -1, tl.int64)
+            best_j = tl.zeros(amax.shape, tl.int32)
+            for jj in tl.static_range(FIT_STEPS):
+                level = 256 * (16 - jj)
+                q = tl.minimum((2 * u + level) // (2 * level), QMAX)
+                diff = u - q * level
+                err = tl.sum(diff * diff, axis=2)
+                better = (err < best_err) | (best_err < 0)
+                best_err = tl.where(better, err, best_err)
+                best_j = tl.where(better, jj, best_j)
+            amax = amax * ((16 - best_j).to(tl.float32) * 0.0625)
         scale_byte, scale = _f32_to_fp8e4m3(tl.minimum(tl.math.div_rn(amax, tl.full(amax.shape, QMAX, tl.float32)),
                                                        _FP8_MAX))  # fmt: skip
     tl.store(rec[:, None] + SCALES_OFFSET + nb[None, :], scale_byte.to(tl.uint8), mask=bmask)
@@ -186,7 +203,7 @@ def residual_pack_launch(
         BLOCK_BS=next_pow2(cfg.block_size), CODE_BYTES=fmt.code_bytes, BLOCK_CB=block_cb,
         STAGES=cfg.stages, BLOCK_ST=next_pow2(cfg.stages), PER_HEAD_BYTES=fmt.per_head_bytes,
         SCALES_OFFSET=fmt.scales_offset, ZEROS_OFFSET=fmt.zeros_offset, IDS_OFFSET=fmt.ids_offset,
-        num_warps=NUM_WARPS,
+        FIT=bool(cfg.fit_scales), FIT_STEPS=FIT_STEPS, FIT_ONE=float(FIT_ONE), num_warps=NUM_WARPS,
     )  # fmt: skip
     return _residual_pack_kernel, grid, args, kwargs
 

@@ -33,7 +33,7 @@ import triton.language as tl
 
 from ..quant import PackedFormat
 from .triton_common import NUM_WARPS, cdiv, is_interpreted, tile_for
-from .triton_dequant import _OUT_KIND, format_constants, packed_tile
+from .triton_dequant import _OUT_KIND, format_constants, kernel_codebooks, packed_tile
 from .view_runs import RUN_COLUMNS, check_view_runs
 
 _RUNTIME = ["num_tokens", "batch", "num_heads", "head_start", "heads", "dense_tpp", "cb_rows_per_page"]
@@ -43,7 +43,7 @@ _RUNTIME = ["num_tokens", "batch", "num_heads", "head_start", "heads", "dense_tp
 def _view_runs_kernel(
     rows_ptr, rs0, rs1, rs2, rs3,  # dense rows [num_pages, rows_per_page, H, D], cache dtype
     tok_ptr, ts0, ts1, ts2, ts3,  # uint8 [num_pages, tpp, 2, B, row_bytes], last stride 1 (unused: HAS_PACKED off)
-    cb_ptr, cs0, cs1, cs2, cs3,  # [num_pages, cb_rows_per_page, K, D], cache dtype
+    cb_ptr, cs0, cs1, cs2, cs3,  # [num_pages, cb_rows_per_page, K, D], cache dtype (CB_FP8: uint8 fp8 bytes)
     runs_ptr,  # int64 [P, 6] contiguous: kind, page, first slot, count, out row, codebook page offset
     cb_pages_ptr,  # int64 [n]
     out_ptr, os0, os1, os2, os3, os4,  # [T, 2, B, heads, D]
@@ -52,7 +52,7 @@ def _view_runs_kernel(
     HAS_PACKED: tl.constexpr,
     CODE_KIND: tl.constexpr, ASYM: tl.constexpr, QMAX: tl.constexpr, BLOCK_SIZE: tl.constexpr,
     STAGES: tl.constexpr, PER_HEAD_BYTES: tl.constexpr, SCALES_OFFSET: tl.constexpr, ZEROS_OFFSET: tl.constexpr,
-    IDS_OFFSET: tl.constexpr, OUT_KIND: tl.constexpr,
+    IDS_OFFSET: tl.constexpr, OUT_KIND: tl.constexpr, CB_FP8: tl.constexpr,
 ):  # fmt: skip
     run = runs_ptr + tl.program_id(0).to(tl.int64) * 6
     kind = tl.load(run)
@@ -90,7 +90,7 @@ def _view_runs_kernel(
                 (kvb * num_heads + head_start + h).to(tl.int64) * STAGES, cmask, d3, mask2, mask3,
                 cb_rows_per_page, out_ptr,
                 CODE_KIND, ASYM, QMAX, BLOCK_SIZE, STAGES, PER_HEAD_BYTES, SCALES_OFFSET, ZEROS_OFFSET, IDS_OFFSET,
-                OUT_KIND,
+                OUT_KIND, CB_FP8,
             )  # fmt: skip
             tl.store(optr, res, mask=mask3)
     elif kind == 2:  # rows the cache never filled
@@ -102,7 +102,7 @@ _GRID_YZ_MAX = 65535
 
 #: Format constexprs of a cache without packed sources (the packed branch is not compiled).
 _NO_FORMAT = dict(CODE_KIND=0, ASYM=False, QMAX=0, BLOCK_SIZE=1, STAGES=1, PER_HEAD_BYTES=0, SCALES_OFFSET=0,
-                  ZEROS_OFFSET=0, IDS_OFFSET=0)  # fmt: skip
+                  ZEROS_OFFSET=0, IDS_OFFSET=0, CB_FP8=False)  # fmt: skip
 
 
 def view_runs_launch(
@@ -147,6 +147,7 @@ def view_runs_launch(
         fmt_kw = dict(_NO_FORMAT, OUT_KIND=_OUT_KIND[rows.dtype])
     else:
         assert tokens is not None and codebooks is not None and cb_pages is not None
+        codebooks = kernel_codebooks(codebooks)
         tokens_a, codebooks_a = (tokens, *tokens.stride()[:4]), (codebooks, *codebooks.stride())
         cb_pages_a, cb_rpp = cb_pages.contiguous(), codebooks.shape[1]
         fmt_kw = format_constants(fmt)

@@ -1,4 +1,5 @@
-"""`QuantConfig`: the PRQ knobs of a packed KV cache (SGLang's `--kv-cache-quant*` flags plus a seed and `pack_trits`).
+"""`QuantConfig`: the PRQ knobs of a packed KV cache (SGLang's `--kv-cache-quant*` flags plus a seed and the
+pagedqvg extensions `pack_trits`, `fit_scales`, `codebook_fp8`; `QuantConfig.compact()` combines them).
 
 Defaults are SGLang's: quantization off, 128 centroids, 64-channel scale blocks, 1 k-means stage, 2 k-means
 iterations, symmetric codes, the newest completed chunk kept in bf16, sink chunks packed (none kept in bf16).
@@ -16,6 +17,8 @@ ALLOWED_BITS: tuple[int | None, ...] = (None, 2, 4)
 MAX_CENTROIDS = 256
 
 _MODE_TO_BITS: dict[str, int | None] = {"off": None, "none": None, "bf16": None, "int4": 4, "int2": 2}
+#: `kv_cache_quant` value selecting `QuantConfig.compact()` (other keys given with it override its fields).
+COMPACT_MODE = "compact"
 _BITS_TO_MODE: dict[int | None, str] = {None: "off", 4: "int4", 2: "int2"}
 _TRUE = {"1", "true", "yes", "on", "y", "t"}
 _FALSE = {"0", "false", "no", "off", "n", "f"}
@@ -34,7 +37,10 @@ SGLANG_KEYS: dict[str, str] = {
     # pagedqvg extensions, spelled like the SGLang flags
     "kv_cache_quant_seed": "seed",
     "kv_cache_quant_pack_trits": "pack_trits",
+    "kv_cache_quant_fit_scales": "fit_scales",
+    "kv_cache_quant_codebook_fp8": "codebook_fp8",
 }
+_BOOL_FIELDS = ("asymmetric", "sink", "pack_trits", "fit_scales", "codebook_fp8")
 
 
 @dataclass(frozen=True, slots=True)
@@ -55,6 +61,13 @@ class QuantConfig:
         pack_trits: beyond the reference: symmetric int2 codes use only 3 levels {-1, 0, +1}, so pack 5 codes per
             byte in base 3 (ceil(D/5) code bytes instead of D/4). Same codes, same error, 17% fewer bytes per
             token-head at D=128 (29 B vs 35 B). Requires bits=2 and asymmetric=False. Off (reference) by default.
+        fit_scales: beyond the reference: each block's scale is fp8(max|r| * m / qmax) with the multiplier m in
+            {16/16, 15/16, ..., 4/16} that minimises the block's squared error (measured exactly in integer units of
+            max|r| / 4096, ties to the larger m), instead of m = 1. Same byte format and decoder; codes beyond the
+            scale clip at +-qmax. Requires asymmetric=False. Off (reference) by default.
+        codebook_fp8: beyond the reference: codebooks are stored as fp8 e4m3 (1 B per value, centroids clamped to
+            +-448) instead of the cache dtype; the final k-means assignment and the residual use the stored fp8
+            centroids, so the residual absorbs their rounding. Off (reference) by default.
     """
 
     bits: int | None = None
@@ -68,9 +81,28 @@ class QuantConfig:
     sink_keep_chunks: int = 0
     seed: int = 1234
     pack_trits: bool = False
+    fit_scales: bool = False
+    codebook_fp8: bool = False
 
     def __post_init__(self) -> None:
         self.validate()
+
+    @classmethod
+    def compact(cls, **overrides: Any) -> QuantConfig:
+        """The compact mode: >= 8x fewer bytes than bf16 per 4,680-token chunk at head_dim 128, codebooks included,
+        at no more K/V error than the reference int2 on `pagedqvg.synthetic` video (benchmarks/bench_prq.py).
+
+        Symmetric int2 codes trit-packed (26 B), one fitted fp8 scale per 128 channels (1 B), one uint8 id (1 B):
+        28 B per token-head, plus a 128 x 128 fp8 codebook per (K/V, head) (16 KiB, 3.5 B per token-head at 4,680
+        tokens): 8.13x at 4,680 tokens, 8.67x at 10,800. Needs head_dim a multiple of 128 (the block size).
+        `overrides` replace fields (e.g. `keep_recent_chunks=2`); the result is validated.
+        """
+        base: dict[str, Any] = dict(
+            bits=2, centroids=128, block_size=128, stages=1, kmeans_iters=2, asymmetric=False, pack_trits=True,
+            fit_scales=True, codebook_fp8=True,
+        )  # fmt: skip
+        base.update(overrides)
+        return cls(**base)
 
     # ------------------------------------------------------------------ properties
     @property
@@ -80,7 +112,10 @@ class QuantConfig:
 
     @property
     def mode(self) -> str:
-        """SGLang's `--kv-cache-quant` value: 'off', 'int4' or 'int2'."""
+        """The `--kv-cache-quant` value: 'off', 'int4' or 'int2' (SGLang's), or 'compact' for symmetric trit-packed
+        int2 with fitted scales and fp8 codebooks (the format-defining fields of `compact()`)."""
+        if self.bits == 2 and self.pack_trits and self.fit_scales and self.codebook_fp8 and not self.asymmetric:
+            return COMPACT_MODE
         return _BITS_TO_MODE[self.bits]
 
     @property
@@ -113,7 +148,7 @@ class QuantConfig:
         _check_int("keep_recent_chunks", self.keep_recent_chunks, lo=0)
         _check_int("sink_keep_chunks", self.sink_keep_chunks, lo=0)
         _check_int("seed", self.seed, lo=0, hi=2**63 - 1)
-        for name in ("asymmetric", "sink", "pack_trits"):
+        for name in _BOOL_FIELDS:
             value = getattr(self, name)
             if not isinstance(value, bool):
                 raise ValueError(f"QuantConfig.{name}={value!r} must be a bool (True or False)")
@@ -121,6 +156,11 @@ class QuantConfig:
             raise ValueError(
                 f"QuantConfig.pack_trits=True needs symmetric int2 codes (3 levels), got bits={self.bits}, "
                 f"asymmetric={self.asymmetric}; allowed: pack_trits=False, or bits=2 with asymmetric=False"
+            )
+        if self.fit_scales and self.enabled and self.asymmetric:
+            raise ValueError(
+                "QuantConfig.fit_scales=True needs symmetric codes, got asymmetric=True; allowed: fit_scales=False, "
+                "or asymmetric=False"
             )
         if head_dim is not None:
             _check_int("head_dim", head_dim, lo=1)
@@ -144,6 +184,8 @@ class QuantConfig:
             return "KV quantization off (bf16 cache)"
         kind = "asym" if self.asymmetric else "sym"
         packing = ", trit-packed" if self.pack_trits else ""
+        packing += ", fitted scales" if self.fit_scales else ""
+        packing += ", fp8 codebooks" if self.codebook_fp8 else ""
         stage_word = "stage" if self.stages == 1 else "stages"
         sink = f"sink packed (keep {self.sink_keep_chunks} bf16)" if self.sink else "sink kept bf16"
         return (
@@ -163,7 +205,8 @@ class QuantConfig:
         """Build a config from SGLang flag names (`kv_cache_quant`, `--kv-cache-quant-centroids`, ...) or field names.
 
         Keys may use dashes or underscores and a leading `--`. Values may be strings (as parsed from a command line):
-        `kv_cache_quant` takes off/none/bf16/int4/int2; booleans take true/false/1/0/yes/no/on/off.
+        `kv_cache_quant` takes off/none/bf16/int4/int2, or compact (`QuantConfig.compact()`, whose fields the other
+        keys given override); booleans take true/false/1/0/yes/no/on/off.
 
         Raises:
             ValueError: an unknown key (listing the known ones), a key given twice, or a bad value.
@@ -171,6 +214,7 @@ class QuantConfig:
         field_names = {f.name for f in fields(cls)}
         kwargs: dict[str, Any] = {}
         source: dict[str, str] = {}
+        compact = False
         for raw_key, value in d.items():
             key = str(raw_key).lstrip("-").replace("-", "_")
             name = SGLANG_KEYS.get(key, key if key in field_names else None)
@@ -178,8 +222,14 @@ class QuantConfig:
                 raise ValueError(f"unknown quantization key {raw_key!r}; known keys: {', '.join(cls.known_keys())}")
             if name in kwargs:
                 raise ValueError(f"quantization setting {name!r} given twice ({source[name]!r} and {raw_key!r})")
-            kwargs[name] = _parse_value(name, key, value)
+            if name == "bits" and isinstance(value, str) and value.strip().lower() == COMPACT_MODE:
+                compact = True
+                kwargs[name] = 2
+            else:
+                kwargs[name] = _parse_value(name, key, value)
             source[name] = str(raw_key)
+        if compact:
+            return cls.compact(**kwargs)
         return cls(**kwargs)
 
 
@@ -200,8 +250,9 @@ def _parse_value(name: str, key: str, value: Any) -> Any:
             return _MODE_TO_BITS[text]
         if text.isdigit():
             return int(text)
-        raise ValueError(f"{key}={value!r} is not a quantization mode; allowed: {', '.join(_MODE_TO_BITS)}")
-    if name in ("asymmetric", "sink", "pack_trits"):
+        modes = ", ".join([*_MODE_TO_BITS, COMPACT_MODE])
+        raise ValueError(f"{key}={value!r} is not a quantization mode; allowed: {modes}")
+    if name in _BOOL_FIELDS:
         if isinstance(value, str):
             text = value.strip().lower()
             if text in _TRUE:

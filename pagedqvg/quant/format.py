@@ -13,7 +13,8 @@ Per-head record (the bytes of ONE token of ONE head), fields back to back, no pa
 
 A *packed token row* is the concatenation over the H heads (head 0 first) of those records:
 `token_row_bytes = H * per_head_bytes`. A *codebook row* is one (head, stage) table of `centroids x D` values in the
-cache dtype, row index `head * stages + stage` (`num_codebook_rows = H * stages`).
+codebook dtype (`codebook_dtype`: the cache dtype, or fp8 e4m3 bytes with `codebook_fp8`), row index
+`head * stages + stage` (`num_codebook_rows = H * stages`).
 
 Decoding element j of a record (what a kernel does): block b = j // block_size,
     int4:  c = (codes[j // 2] >> (4 - 4 * (j % 2))) & 0xF
@@ -22,6 +23,8 @@ Decoding element j of a record (what a kernel does): block b = j // block_size,
     symmetric:  value = (c - qmax) * scale[b]          (qmax = 2^(bits-1) - 1)
     asymmetric: value = c * scale[b] + zero[b]
 plus the sum over stages s of codebook[head, s][ids[s]], all in fp32, cast to the cache dtype at the end.
+
+`fit_scales` changes only how the packer picks a block's scale (quant/prq.py), never the bytes' meaning.
 """
 
 from __future__ import annotations
@@ -149,9 +152,14 @@ class PackedFormat:
         return self.num_heads * self.per_head_bytes
 
     @property
+    def codebook_dtype(self) -> torch.dtype:
+        """dtype of stored codebook values: float8_e4m3fn with `cfg.codebook_fp8`, else the cache dtype."""
+        return FP8_DTYPE if self.cfg.codebook_fp8 else self.dtype
+
+    @property
     def codebook_row_bytes(self) -> int:
-        """Bytes of one (head, stage) codebook: centroids * head_dim * itemsize(dtype)."""
-        return self.cfg.centroids * self.head_dim * self.dtype.itemsize
+        """Bytes of one (head, stage) codebook: centroids * head_dim * itemsize(codebook_dtype)."""
+        return self.cfg.centroids * self.head_dim * self.codebook_dtype.itemsize
 
     @property
     def num_codebook_rows(self) -> int:
@@ -277,18 +285,22 @@ class PackedFormat:
 
     # ------------------------------------------------------------------ codebooks
     def pack_codebooks(self, codebooks: torch.Tensor) -> torch.Tensor:
-        """Codebooks [H, stages, K, D] (any float dtype, cast to `dtype`) -> uint8 [H*stages, codebook_row_bytes]."""
+        """Codebooks [H, stages, K, D] (any float dtype, cast to `codebook_dtype`; fp8 saturates at +-448) -> uint8
+        [H*stages, codebook_row_bytes]."""
         _expect("codebooks", codebooks, (self.num_heads, self.cfg.stages, self.cfg.centroids, self.head_dim))
-        cb = codebooks.to(self.dtype).contiguous()
+        if self.cfg.codebook_fp8 and codebooks.dtype != FP8_DTYPE:
+            codebooks = codebooks.float().clamp(-FP8_MAX, FP8_MAX)
+        cb = codebooks.to(self.codebook_dtype).contiguous()
         return cb.view(torch.uint8).reshape(self.num_codebook_rows, self.codebook_row_bytes)
 
     def unpack_codebooks(self, rows: torch.Tensor) -> torch.Tensor:
-        """uint8 [H*stages, codebook_row_bytes] -> codebooks [H, stages, K, D] in `dtype` (inverse of pack)."""
+        """uint8 [H*stages, codebook_row_bytes] -> codebooks [H, stages, K, D] in `codebook_dtype` (inverse of
+        pack)."""
         _expect("codebook rows", rows, (self.num_codebook_rows, self.codebook_row_bytes))
         rows = rows.contiguous()
-        if rows.storage_offset() % self.dtype.itemsize:
+        if rows.storage_offset() % self.codebook_dtype.itemsize:
             rows = rows.clone()  # a dtype view needs an aligned start
-        cb = rows.view(self.dtype)
+        cb = rows.view(self.codebook_dtype)
         return cb.reshape(self.num_heads, self.cfg.stages, self.cfg.centroids, self.head_dim)
 
 

@@ -3,13 +3,20 @@
 Per head, over the S tokens of one segment (vectors of D channels):
 
 1. `stages` rounds of k-means with K = `centroids` clusters, `kmeans_iters` assign/update iterations each, then one
-   final assignment against the stored (cache-dtype) centroids; residual -= centroid[id]. Assign = nearest centroid by
+   final assignment against the stored centroids (cache dtype, or fp8 e4m3 clamped to +-448 with `codebook_fp8`);
+   residual -= centroid[id]. Assign = nearest centroid by
    squared L2 computed as ||c||^2 - 2 x.c (ties in that computed value go to the lowest index; two centroids at
    mathematically equal distance may round apart); update = mean in fp32; an empty cluster keeps its old centroid.
    Matmuls run in IEEE fp32 whatever `torch.set_float32_matmul_precision` says (no TF32).
    Init: K token indices drawn uniformly with replacement from a CPU `torch.Generator` seeded with `cfg.seed` (a fresh
    draw per stage, per head), or `init_centroids` (warm start, e.g. the previous chunk's codebooks).
 2. The final residual is block-quantized per token, per head, per `block_size` channels with fp8 e4m3 scale (and zero).
+   With `fit_scales` (symmetric only) the scale is fp8(max|r| * m / qmax) for the multiplier m = (16 - j) / 16,
+   j = 0..FIT_STEPS-1, that minimises the block's squared error, measured exactly in integers: u = round(|r| /
+   max|r| * 4096) (one IEEE division, a power-of-two product, round half to even), code q = min(qmax, floor((2 u
+   qmax + L) / 2L)) with L = 256 (16 - j), error sum((u qmax - q L)^2) in int64; the first j of least error wins.
+   The codes are then rounded against the chosen fp8 scale as usual. Exact integer arithmetic makes the choice the
+   same in the torch reference and the Triton kernel whatever the summation order.
 
 Numerics (everything below keeps outputs finite; inputs must be finite, else `ValueError`):
 
@@ -50,6 +57,9 @@ from .format import CACHE_DTYPES, FP8_DTYPE, FP8_MAX, PackedFormat
 _TILE_ELEMS = 1 << 22
 #: Residuals are clamped to +-this before block quantization (fp8 scales already clip far below it).
 _RESIDUAL_CLAMP = float(2**24)
+#: `fit_scales`: candidate multipliers m = (16 - j) / 16 for j < FIT_STEPS (1 down to 1/4), and the fixed-point
+#: unit of the integer error measure (|r| / max|r| in 1/4096ths).
+FIT_STEPS, FIT_ONE = 13, 4096
 #: Exponent range of the per-head power-of-two normalisation (keeps 2^-e a finite, normal-ish fp32 value).
 _EXP_MIN, _EXP_MAX = -100, 127  # 2^127 is the largest finite power of two in fp32
 
@@ -59,7 +69,8 @@ class PRQSegment:
     """A packed segment: what the pool stores for S tokens of H heads.
 
     token_rows: uint8 [S, fmt.token_row_bytes], packed token rows (see `format.py`).
-    codebooks: [H, stages, K, D] in the cache dtype (`fmt.dtype`, the dtype of the quantized input).
+    codebooks: [H, stages, K, D] in `fmt.codebook_dtype` (the cache dtype, the dtype of the quantized input; fp8
+        e4m3 with `codebook_fp8`).
     fmt: the byte layout these tensors follow.
     """
 
@@ -116,7 +127,8 @@ def prq_quantize(x: torch.Tensor, cfg: QuantConfig, *, init_centroids: torch.Ten
             codebooks), replacing the seeded random init of every stage.
 
     Returns:
-        `PRQSegment` with token rows uint8 [S, H * per_head_bytes] and codebooks [H, stages, K, D] in x.dtype.
+        `PRQSegment` with token rows uint8 [S, H * per_head_bytes] and codebooks [H, stages, K, D] in
+        `fmt.codebook_dtype` (x.dtype, or fp8 with `cfg.codebook_fp8`).
         Same input, config and init -> identical bytes.
 
     Raises:
@@ -133,7 +145,7 @@ class PRQResidual:
 
     resid: float32 [H, S, D], the final residual (clamped to +-`_RESIDUAL_CLAMP`).
     ids: uint8 [H, S, stages], the centroid id of every stage.
-    codebooks: [H, stages, K, D] in the cache dtype.
+    codebooks: [H, stages, K, D] in `fmt.codebook_dtype`.
     fmt: the byte layout of the packed segment.
     """
 
@@ -186,13 +198,14 @@ def prq_kmeans(
         _check_finite("init_centroids", init_centroids, ("head", "stage", "centroid", "channel"))
     device = x.device
     resid = x.float().transpose(0, 1).contiguous()  # [H, S, D] fp32
-    codebooks = torch.zeros(H, stages, K, D, dtype=x.dtype, device=device)
+    cb_dtype = fmt.codebook_dtype
+    codebooks = torch.zeros(H, stages, K, D, dtype=cb_dtype, device=device)
     ids = torch.zeros(H, S, stages, dtype=torch.uint8, device=device)
     if S == 0:
         return PRQResidual(resid=resid, ids=ids, codebooks=codebooks, fmt=fmt)
 
     gen = torch.Generator(device="cpu").manual_seed(cfg.seed)
-    dmax = torch.finfo(x.dtype).max
+    dmax = torch.finfo(cb_dtype).max  # 448 for fp8 e4m3
     heads = torch.arange(H, device=device)[:, None]
     for stage in range(stages):
         # Work in units of a per-head power of two >= max|resid| (exact; see module docstring).
@@ -208,7 +221,7 @@ def prq_kmeans(
             cn = xn[heads, idx]  # [H, K, D]
         for _ in range(cfg.kmeans_iters):
             cn = update(xn, assign(xn, cn), cn)
-        stored = (cn * unit).clamp(-dmax, dmax).to(x.dtype)  # the codebook as the cache holds it
+        stored = (cn * unit).clamp(-dmax, dmax).to(cb_dtype)  # the codebook as the cache holds it
         cf = stored.float()
         stage_ids = assign(xn, cf * inv_unit)  # final ids against the stored centroids
         codebooks[:, stage] = stored
@@ -276,11 +289,33 @@ def _block_quantize(r: torch.Tensor, cfg: QuantConfig) -> tuple[torch.Tensor, to
         q = torch.where(s > 0, q, 0.0)
         return q.to(torch.uint8).reshape(S, H, D), scale8, zero8
     amax = rb.abs().amax(dim=-1)
+    if cfg.fit_scales:
+        amax = amax * _fit_multiplier(rb, amax, cfg.qmax)
     scale8 = (amax / qmax_t).clamp(0.0, FP8_MAX).to(FP8_DTYPE)
     s = scale8.float()[..., None]
     q = torch.round(rb / torch.where(s > 0, s, 1.0)).clamp(-qmax, qmax)
     q = torch.where(s > 0, q, 0.0) + qmax
     return q.to(torch.uint8).reshape(S, H, D), scale8, None
+
+
+def _fit_multiplier(rb: torch.Tensor, amax: torch.Tensor, qmax: int) -> torch.Tensor:
+    """`fit_scales` (module docstring, step 2): the multiplier m of each block, float32 like `amax` ([..., nb]).
+    rb: float32 [..., nb, block_size]; amax: its max |r| per block. Exact integer arithmetic (int64)."""
+    safe = torch.where(amax > 0, amax, 1.0)[..., None]
+    u = torch.round((rb.abs() / safe) * float(FIT_ONE)).to(torch.int64) * qmax  # u * qmax, 0..4096 * qmax
+    best_err = best_j = None
+    for j in range(FIT_STEPS):
+        level = 256 * (16 - j)  # m * 4096 in the same units (times qmax / qmax)
+        q = torch.clamp((2 * u + level) // (2 * level), max=qmax)
+        err = ((u - q * level) ** 2).sum(dim=-1)
+        if best_err is None or best_j is None:
+            best_err, best_j = err, torch.zeros_like(err)
+        else:
+            better = err < best_err
+            best_err = torch.where(better, err, best_err)
+            best_j = torch.where(better, j, best_j)
+    assert best_j is not None
+    return (16 - best_j).to(torch.float32) * 0.0625
 
 
 # -------------------------------------------------------------------------------------------------------- dequantize
