@@ -1,20 +1,24 @@
 """The `pagedqvg` command: `pagedqvg plan` (what fits) and `pagedqvg simulate` (run the real pool and prove it).
 
-Bad input (an unknown preset, a negative size, a window smaller than a chunk, a budget too small for even the sink)
-prints one line `pagedqvg: error: ...` on stderr and exits with status 2.
+Bad input (an unknown preset, a negative size, a window smaller than a chunk, a budget too small for even the sink,
+flags that mean nothing together) prints one line `pagedqvg: error: ...` on stderr, naming the flags as typed, and
+exits with status 2.
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import re
 import sys
 from pathlib import Path
 
+from . import __version__
 from .allocator import available_memory_bytes, format_bytes
 from .planner import (
     Geometry,
+    max_sessions,
     max_window_frames,
     min_window_frames,
     plan_geometry,
@@ -22,10 +26,21 @@ from .planner import (
     setting_geometries,
     setting_quant,
 )
-from .presets import DEFAULT_PLAN_PRESET, DEFAULT_SIMULATE_PRESET, DTYPES, PRESETS, Workload, get_preset
+from .presets import (
+    DEFAULT_GPU_MEMORY_FRACTION,
+    DEFAULT_PLAN_PRESET,
+    DEFAULT_SIMULATE_PRESET,
+    DTYPES,
+    GPUS,
+    PRESETS,
+    Workload,
+    get_gpu,
+    get_preset,
+    shape_text,
+)
 from .quant.config import SGLANG_KEYS, QuantConfig
 
-PLAN_SCHEMA = "pagedqvg.plan/1"
+PLAN_SCHEMA = "pagedqvg.plan/2"
 DEFAULT_OUT_DIR = "./pagedqvg-out"
 
 _SIZE_UNITS = {
@@ -64,18 +79,45 @@ def _fail(message: str) -> None:
 
 
 # ---------------------------------------------------------------------------------------------------- arg types
-def parse_size(text: str) -> int:
-    """Bytes from `24GiB`, `1.5 GiB`, `512MB`, `2M` (binary), `4096`. Raises ArgumentTypeError."""
-    m = re.fullmatch(r"\s*([0-9]*\.?[0-9]+)\s*([a-zA-Z]*)\s*", text)
+_SIZE_RE = re.compile(r"\s*([-+]?[0-9]*\.?[0-9]+)\s*([a-zA-Z]*)\s*")
+_SIZE_HINT = "units B, KiB, MiB, GiB, TiB (x1024) or KB, MB, GB, TB (x1000)"
+
+
+def _size_value(text: str) -> int:
+    m = _SIZE_RE.fullmatch(text)
     unit = m.group(2).lower() if m else ""
     if not m or unit not in _SIZE_UNITS:
         raise argparse.ArgumentTypeError(
-            f"{text!r} is not a size; use e.g. 24GiB, 512MiB, 2MB or a number of bytes (sizes are >= 0)"
+            f"{text!r} is not a size; write e.g. 24GiB, 512MiB, 2MB or 4096 ({_SIZE_HINT})"
         )
-    value = int(float(m.group(1)) * _SIZE_UNITS[unit])
+    return int(float(m.group(1)) * _SIZE_UNITS[unit])
+
+
+def parse_size(text: str) -> int:
+    """Bytes from `24GiB`, `1.5 GiB`, `512MB`, `2M` (binary), `4096`; must be > 0. Raises ArgumentTypeError."""
+    value = _size_value(text)
     if value <= 0:
-        raise argparse.ArgumentTypeError(f"{text!r}: a size must be > 0")
+        raise argparse.ArgumentTypeError(f"{text!r}: a size must be > 0 bytes; write e.g. 24GiB")
     return value
+
+
+def _size(flag: str, *, minimum: int = 1, example: str = "24GiB", auto: bool = False):
+    """argparse type for `flag`: a size >= `minimum` bytes (one rule for `0`, `-5GiB` and `=-5GiB`), or `auto`."""
+
+    def parse(text: str) -> int | str:
+        if auto and text.strip().lower() == "auto":
+            return "auto"
+        value = _size_value(text)
+        if value < minimum:
+            rule = "> 0 bytes" if minimum == 1 else f">= {minimum} bytes"
+            raise argparse.ArgumentTypeError(
+                f"must be a size {rule}, got {text.strip()!r}; write it like {flag} {example}"
+                + (" or auto" if auto else "")
+            )
+        return value
+
+    parse.__name__ = "size"
+    return parse
 
 
 def _int(minimum: int):
@@ -83,9 +125,9 @@ def _int(minimum: int):
         try:
             value = int(text)
         except ValueError:
-            raise argparse.ArgumentTypeError(f"{text!r} is not an integer") from None
+            raise argparse.ArgumentTypeError(f"{text!r} is not an integer (must be >= {minimum})") from None
         if value < minimum:
-            raise argparse.ArgumentTypeError(f"{value} is out of range; must be >= {minimum}")
+            raise argparse.ArgumentTypeError(f"{value} is out of range; must be an integer >= {minimum}")
         return value
 
     parse.__name__ = f"int>={minimum}"
@@ -96,9 +138,9 @@ def _fraction(text: str) -> float:
     try:
         value = float(text)
     except ValueError:
-        raise argparse.ArgumentTypeError(f"{text!r} is not a number") from None
+        raise argparse.ArgumentTypeError(f"{text!r} is not a number; write e.g. --memory-fraction 0.9") from None
     if not 0 < value <= 1:
-        raise argparse.ArgumentTypeError(f"{value} is out of range; must be in (0, 1]")
+        raise argparse.ArgumentTypeError(f"{value:g} is out of range; must be in (0, 1], e.g. --memory-fraction 0.9")
     return value
 
 
@@ -156,9 +198,19 @@ def _add_common(p: argparse.ArgumentParser, default_preset: str) -> None:
     g.add_argument("--denoise-steps", type=_int(1), help="denoise steps per chunk (calls = steps + 1 clean pass)")
     g.add_argument("--batch-size", type=_int(1), help="batch size")
     g.add_argument("--dtype", choices=sorted(DTYPES), help="cache dtype (default bf16)")
-    g.add_argument("--page-bytes", type=parse_size, help="pool page size, e.g. 2MiB (multiple of 256 B)")
-    g.add_argument("--cache-sets", type=_int(1), help="independent cache sets (2 with classifier-free guidance)")
-    g.add_argument("--chunks", type=_int(1), help="chunks to simulate (default 20)")
+    g.add_argument(
+        "--page-bytes",
+        type=_size("--page-bytes", example="2MiB", auto=True),
+        help="pool page size, a multiple of 256 B, or auto (default): the size whose pages waste least for the "
+        "record sizes of every segment kind in use (<= 0.5%% per kind where reachable)",
+    )
+    g.add_argument("--cache-sets", type=_int(1), help="cache sets per session (2 with classifier-free guidance)")
+    g.add_argument("--sessions", type=_int(1), help="concurrent sessions sharing the pool (default 1)")
+    g.add_argument(
+        "--ulysses", type=_int(1), help="Ulysses sequence-parallel ranks: each rank caches heads / N of every token"
+    )
+    g.add_argument("--tp", type=_int(1), help="tensor-parallel ranks: heads (and weights) split N ways")
+    g.add_argument("--chunks", type=_int(1), help="chunks to simulate (default 20; simulate only)")
     q = p.add_argument_group("quantization (SGLang flag names)")
     for flag, help_text, extra in _QUANT_FLAGS:
         q.add_argument(
@@ -176,6 +228,7 @@ def build_parser() -> argparse.ArgumentParser:
         prog="pagedqvg",
         description="Size and test the paged KV cache of autoregressive video diffusion models.",
     )
+    parser.add_argument("--version", action="version", version=f"pagedqvg {__version__}")
     sub = parser.add_subparsers(dest="command", metavar="{plan,simulate}")
     plan = sub.add_parser(
         "plan",
@@ -184,10 +237,30 @@ def build_parser() -> argparse.ArgumentParser:
         "with --budget or --memory-fraction, the largest window that fits for each quantization setting.",
     )
     _add_common(plan, DEFAULT_PLAN_PRESET)
-    b = plan.add_mutually_exclusive_group()
-    b.add_argument("--budget", type=parse_size, help="device memory for KV (pool + one view), e.g. 24GiB")
-    b.add_argument("--memory-fraction", type=_fraction, help="fraction of the device's free memory, e.g. 0.9")
-    plan.add_argument("--device", default=None, help="device for --memory-fraction (default cuda if present)")
+    b = plan.add_argument_group("budget (per rank; pool + one transient view)")
+    b.add_argument("--budget", type=_size("--budget"), help="bytes for the KV cache itself, e.g. 24GiB")
+    b.add_argument(
+        "--gpu",
+        help=f"a whole device from the table: {', '.join(GPUS)}; budget = memory x --memory-fraction - "
+        "--weights / --tp - --reserve",
+    )
+    b.add_argument(
+        "--memory-fraction",
+        type=_fraction,
+        help=f"fraction of the device's memory pagedqvg may use (with --gpu: of its total, default "
+        f"{DEFAULT_GPU_MEMORY_FRACTION:g}; alone: of this machine's free memory on --device)",
+    )
+    b.add_argument(
+        "--weights",
+        type=_size("--weights", minimum=0, example="28GB"),
+        help="model weights on the device before tensor parallelism (default with --gpu: the preset's DiT weights)",
+    )
+    b.add_argument(
+        "--reserve", type=_size("--reserve", minimum=0, example="8GiB"), help="activations and workspace (default 0)"
+    )
+    b.add_argument(
+        "--device", default=None, help="device for --memory-fraction without --gpu (default cuda if present)"
+    )
     plan.add_argument("--json", action="store_true", help="print JSON instead of a table")
     plan.set_defaults(func=cmd_plan)
 
@@ -204,8 +277,8 @@ def build_parser() -> argparse.ArgumentParser:
     sim.add_argument(
         "--dry-run", action="store_true", help="accounting only, at full size, without tensors (seconds on a CPU)"
     )
-    sim.add_argument("--device", default="cpu", help="device of the pool and data: cpu or cuda (default cpu)")
-    sim.add_argument("--seed", type=_int(0), default=0, help="seed of the synthetic K/V (default 0)")
+    sim.add_argument("--device", default=None, help="device of the pool and data: cpu or cuda (default cpu)")
+    sim.add_argument("--seed", type=_int(0), default=None, help="seed of the synthetic K/V (default 0)")
     sim.add_argument("--json", action="store_true", help="print the summary as JSON")
     sim.add_argument("--no-plot", action="store_true", help="skip timeline.png")
     sim.add_argument(
@@ -235,16 +308,126 @@ _WORKLOAD_FLAGS = (
     "denoise_steps",
     "batch_size",
     "dtype",
-    "page_bytes",
     "cache_sets",
+    "sessions",
+    "ulysses",
+    "tp",
     "chunks",
 )
+
+#: QuantConfig field -> the flag that sets it.
+_QUANT_FIELD_FLAGS = {field: "--" + key.replace("_", "-") for key, field in SGLANG_KEYS.items()}
+
+
+def speak_flags(message: str) -> str:
+    """`message` with internal names (`QuantConfig.centroids=999`, `head_dim=48`, `device='cpu'`) written as the
+    flags a user types (`--kv-cache-quant-centroids 999`, `--head-dim 48`, `--device cpu`)."""
+
+    def quant(m: re.Match) -> str:
+        name, value = m.group(1), m.group(2)
+        if name == "bits":
+            value = {"None": "off", "2": "int2", "4": "int4"}.get(value, value)
+        elif value in ("True", "False"):
+            value = value.lower()
+        return f"{_QUANT_FIELD_FLAGS[name]} {value}"
+
+    fields = "|".join(sorted(_QUANT_FIELD_FLAGS, key=len, reverse=True))
+    message = re.sub(rf"(?:QuantConfig\.|PackedFormat\.cfg\.)?\b({fields})=([^\s,;:)]+)", quant, message)
+    message = re.sub(r"\bQuantConfig\.(\w+)", lambda m: _QUANT_FIELD_FLAGS.get(m.group(1), m.group(0)), message)
+    message = re.sub(
+        r"\b(kv_cache_quant\w*)=",
+        lambda m: "--" + m.group(1).replace("_", "-") + " ",
+        message,
+    )
+    message = re.sub(r"\bhead_dim=(\d+)", r"--head-dim \1", message)
+    message = re.sub(r"\bnum_heads=(\d+)", r"--heads \1", message)
+    message = re.sub(r"\bdevice[= ]'([\w:]+)'", r"--device \1", message)
+    return message
+
+
+def _typed_flags(argv: list[str]) -> set[str]:
+    """The long flags present in `argv` (`--budget=1` counts as `--budget`)."""
+    return {a.split("=", 1)[0] for a in argv if a.startswith("--")}
+
+
+def join_negative_values(argv: list[str]) -> list[str]:
+    """`--budget -5GiB` as `--budget=-5GiB`: argparse would take `-5GiB` for an option and say only that the flag
+    needs a value; joined, the flag's own rule reports it (`must be a size > 0 bytes`)."""
+    out: list[str] = []
+    i = 0
+    while i < len(argv):
+        a = argv[i]
+        if a.startswith("--") and "=" not in a and i + 1 < len(argv) and re.match(r"-[0-9.]", argv[i + 1]):
+            out.append(f"{a}={argv[i + 1]}")
+            i += 2
+            continue
+        out.append(a)
+        i += 1
+    return out
+
+
+def check_device(text: str) -> str:
+    """`text` if it names a device pagedqvg runs on (`cpu`, `cuda`, `cuda:N`), else UsageError naming `--device`."""
+    if re.fullmatch(r"cpu|cuda(:[0-9]+)?", text.strip()):
+        return text.strip()
+    raise UsageError(
+        f"--device {text}: pagedqvg runs on cpu or cuda (e.g. --device cpu, --device cuda, --device cuda:1)"
+    )
+
+
+def check_combinations(args: argparse.Namespace, typed: set[str]) -> None:
+    """UsageError naming the flags when a combination means nothing (or contradicts itself)."""
+    quant_knobs = sorted(f for f, _h, _e in _QUANT_FLAGS if f != "--kv-cache-quant" and f in typed)
+    if getattr(args, "kv_cache_quant", None) == "off" and quant_knobs:
+        raise UsageError(
+            f"{', '.join(quant_knobs)} has no effect with --kv-cache-quant off; drop it, or choose "
+            "--kv-cache-quant int2 or int4"
+        )
+    pairs = (
+        ("--sink-tokens", "--sink-frames", "--sink-tokens sets the sink in tokens, --sink-frames in frames"),
+        ("--cache-size", "--window-frames", "--cache-size fixes the cache, --window-frames derives it"),
+    )
+    for a, b, why in pairs:
+        if a in typed and b in typed:
+            raise UsageError(f"{a} and {b} together: {why}; give one")
+    if args.device is not None:
+        check_device(args.device)
+    if args.command == "plan":
+        if args.chunks is not None:
+            raise UsageError(
+                "--chunks applies to pagedqvg simulate only: plan computes the steady state, not a run of N chunks"
+            )
+        if args.budget is not None:
+            for flag in ("--gpu", "--memory-fraction", "--weights", "--reserve", "--device"):
+                if flag in typed:
+                    raise UsageError(
+                        f"--budget and {flag} together: --budget is the KV budget itself; use --gpu with "
+                        "--memory-fraction/--weights/--reserve to derive it instead"
+                    )
+        if args.gpu is not None and args.device is not None:
+            raise UsageError("--gpu and --device together: --gpu names the device to plan for; drop --device")
+        if args.gpu is None and args.memory_fraction is None:
+            for flag in ("--weights", "--reserve", "--device"):
+                if flag in typed:
+                    need = "--memory-fraction" if flag == "--device" else "--gpu NAME or --memory-fraction"
+                    raise UsageError(f"{flag} needs a device budget to act on: add {need}")
+    else:
+        if args.dry_run:
+            for flag in ("--device", "--seed"):
+                if flag in typed:
+                    raise UsageError(f"--dry-run and {flag} together: the dry run uses no device and no data")
 
 
 def workload_from_args(args: argparse.Namespace) -> Workload:
     """The preset with every given flag applied. ValueError for a bad value (exit status 2)."""
     w = get_preset(args.preset)
     w = w.replace(**{name: getattr(args, name) for name in _WORKLOAD_FLAGS})
+    if args.page_bytes == "auto":
+        w = dataclasses.replace(w, page_bytes=None)
+    elif args.page_bytes is not None:
+        w = dataclasses.replace(w, page_bytes=args.page_bytes)
+    if getattr(args, "weights", None) is not None:
+        w = dataclasses.replace(w, weights_bytes=args.weights, weights_source="--weights")
     given = {}
     for flag, _help, _extra in _QUANT_FLAGS:
         key = flag.lstrip("-").replace("-", "_")
@@ -269,13 +452,14 @@ def _segment_pages_text(s: dict) -> str:
     return f"{s['mode']} {s['segment_pages']['packed']} pages"
 
 
-def _budget_fits(w: Workload, budget: int) -> list[dict[str, object]]:
+def _budget_fits(w: Workload, budget: int, source: str) -> list[dict[str, object]]:
     rows = []
     for geom in setting_geometries(w)[0]:
         lo = min_window_frames(geom, w.chunk_frames)
         frames = max_window_frames(geom, budget, lo)
         row: dict[str, object] = {
             "mode": geom.quant.mode,
+            "page_bytes": geom.page_bytes,
             "max_window_frames": frames,
             "search_limited": frames == search_limit_frames(geom),
             "cache_size_tokens": None,
@@ -283,6 +467,7 @@ def _budget_fits(w: Workload, budget: int) -> list[dict[str, object]]:
             "pool_bytes": None,
             "min_window_frames": lo,
             "min_budget_bytes": plan_geometry(geom.with_window_frames(lo), replay=False).budget_bytes,
+            "max_sessions": max_sessions(geom, budget),
         }
         if frames is not None:
             p = plan_geometry(geom.with_window_frames(frames), replay=False)
@@ -295,15 +480,92 @@ def _budget_fits(w: Workload, budget: int) -> list[dict[str, object]]:
     if all(r["max_window_frames"] is None for r in rows):
         best = min(rows, key=lambda r: int(r["min_budget_bytes"]))  # type: ignore[arg-type]
         raise UsageError(
-            f"budget {format_bytes(budget)} is too small for even the sink and one chunk: the smallest window "
-            f"({best['min_window_frames']} frames) needs {format_bytes(int(best['min_budget_bytes']))} "
-            f"with {best['mode']}"
+            f"{source} leaves {format_bytes(budget)} for the KV cache per rank: too small for even the sink and one "
+            f"chunk; the smallest window ({best['min_window_frames']} frames, {w.sessions} session(s)) needs "
+            f"{format_bytes(int(best['min_budget_bytes']))} with {best['mode']}"
         )
     return rows
 
 
-def build_plan(w: Workload, budget: int | None = None, budget_source: str = "") -> dict[str, object]:
-    """The plan as a JSON-ready dict (schema `pagedqvg.plan/1`)."""
+def resolve_budget(args: argparse.Namespace, w: Workload) -> dict[str, object] | None:
+    """The KV budget per rank and the arithmetic that made it (JSON-ready), or None without a budget flag.
+
+    `--budget B`: B. `--gpu NAME`: the table's total x `--memory-fraction` (default 0.9) - weights / tp - `--reserve`.
+    `--memory-fraction F` alone: F x this machine's free memory on `--device` - `--weights` (0 unless given: the
+    free memory is measured with whatever is loaded) / tp - `--reserve`. UsageError when nothing is left.
+    """
+    reserve = args.reserve or 0
+    if args.budget is not None:
+        return {
+            "bytes": args.budget,
+            "source": "--budget",
+            "lines": [{"label": "KV budget (--budget)", "bytes": args.budget, "op": "="}],
+        }
+    if args.gpu is None and args.memory_fraction is None:
+        return None
+    lines: list[dict[str, object]] = []
+    if args.gpu is not None:
+        name, total, text = get_gpu(args.gpu)
+        fraction = args.memory_fraction if args.memory_fraction is not None else DEFAULT_GPU_MEMORY_FRACTION
+        lines.append({"label": f"{text} total (--gpu {name})", "bytes": total, "op": ""})
+        weights, wsource = w.weights_bytes, w.weights_source or "--weights"
+        source = f"--gpu {name}"
+    else:
+        device = args.device
+        if device is None:
+            import torch
+
+            device = "cuda" if torch.cuda.is_available() else "cpu"
+        total = available_memory_bytes(device)
+        fraction = args.memory_fraction
+        lines.append(
+            {"label": f"free memory on {device} now (--memory-fraction without --gpu)", "bytes": total, "op": ""}
+        )
+        weights = args.weights or 0
+        wsource = "--weights" if args.weights is not None else "0: the free memory measured now excludes what is loaded"
+        source = f"--memory-fraction {fraction:g} of free memory on {device}"
+        name = None
+    usable = int(total * fraction)
+    lines.append({"label": f"x {fraction:g} (--memory-fraction)", "bytes": usable, "op": "="})
+    per_rank_weights = -(-weights // w.tp)
+    tp_text = f" / --tp {w.tp}" if w.tp > 1 else ""
+    lines.append({"label": f"weights{tp_text} ({wsource})", "bytes": per_rank_weights, "op": "-"})
+    lines.append({"label": "reserve for activations and workspace (--reserve)", "bytes": reserve, "op": "-"})
+    budget = usable - per_rank_weights - reserve
+    lines.append({"label": "KV budget per rank (pool + one transient view)", "bytes": budget, "op": "="})
+    if budget <= 0:
+        raise UsageError(
+            f"{source}: {format_bytes(usable)} usable (x {fraction:g}) minus weights {format_bytes(per_rank_weights)} "
+            f"and reserve {format_bytes(reserve)} leaves nothing for the KV cache; lower --weights or --reserve, raise "
+            "--memory-fraction or --tp, or pick a larger --gpu"
+        )
+    return {
+        "bytes": budget,
+        "source": source,
+        "lines": lines,
+        "gpu": name,
+        "device_bytes": total,
+        "memory_fraction": fraction,
+        "weights_bytes": weights,
+        "weights_per_rank_bytes": per_rank_weights,
+        "weights_source": wsource,
+        "reserve_bytes": reserve,
+    }
+
+
+def _page_text(geom: Geometry) -> str:
+    if geom.page_choice is None:
+        return f"{format_bytes(geom.page_bytes)} (--page-bytes)"
+    worst = geom.page_choice.worst
+    return f"{format_bytes(geom.page_bytes)} (auto: worst segment kind wastes {100 * worst:.2f}%)"
+
+
+def build_plan(
+    w: Workload, budget: dict[str, object] | int | None = None, budget_source: str = ""
+) -> dict[str, object]:
+    """The plan as a JSON-ready dict (schema `pagedqvg.plan/2`). `budget`: from `resolve_budget`, or bytes."""
+    if isinstance(budget, int):
+        budget = {"bytes": budget, "source": budget_source, "lines": []}
     geom = Geometry.from_workload(w)
     geoms, skipped = setting_geometries(w)
     settings = [plan_geometry(g) for g in geoms]
@@ -313,6 +575,10 @@ def build_plan(w: Workload, budget: int | None = None, budget_source: str = "") 
         "workload": w.as_dict(),
         "geometry": {
             "caches": geom.caches,
+            "sessions": geom.sessions,
+            "cache_sets": geom.cache_sets,
+            "ranks": geom.ranks,
+            "heads_per_rank": geom.heads,
             "chunk_tokens": geom.chunk_tokens,
             "sink_tokens": geom.sink_tokens,
             "global_sink_tokens": geom.global_sink_tokens,
@@ -328,12 +594,17 @@ def build_plan(w: Workload, budget: int | None = None, budget_source: str = "") 
             "dense_cache_bytes_all_layers": geom.dense_cache_bytes() * geom.caches,
         },
         "selected": w.quant.mode,
-        "settings": [s.as_dict() for s in settings],
+        "settings": [],
         "unavailable": [{"mode": mode, "reason": reason} for mode, reason in skipped],
         "budget": None,
     }
+    for g, p in zip(geoms, settings, strict=True):
+        d = p.as_dict()
+        d["page_auto"] = g.page_choice is not None
+        d["page_waste_by_kind"] = dict(g.page_choice.waste) if g.page_choice is not None else None
+        doc["settings"].append(d)  # type: ignore[union-attr]
     if budget is not None:
-        doc["budget"] = {"bytes": budget, "source": budget_source, "fits": _budget_fits(w, budget)}
+        doc["budget"] = {**budget, "fits": _budget_fits(w, int(budget["bytes"]), str(budget["source"]))}
     return doc
 
 
@@ -346,10 +617,22 @@ def format_plan(doc: dict[str, object]) -> str:
     steps = int(w["denoise_steps"])
     settings = doc["settings"]
     assert isinstance(settings, list)
+    wl = Workload(**{k: v for k, v in w.items() if k != "quant"})
     lines = [
-        f"pagedqvg plan: {w['name']}" + (f" ({w['description']})" if w.get("description") else ""),
+        f"pagedqvg plan: {w['name']}"
+        + (f" ({w['description']})" if w.get("description") else "")
+        + f": {shape_text(wl)}",
         f"  model   {w['layers']} layers x {w['heads']} heads x {w['head_dim']} head_dim, {w['dtype']}, batch "
-        f"{w['batch_size']}, {w['cache_sets']} cache set(s): {g['caches']} caches in one pool",
+        f"{w['batch_size']}",
+    ]
+    if g["ranks"] > 1:
+        lines.append(
+            f"  ranks   --ulysses {w['ulysses']} x --tp {w['tp']} = {g['ranks']} ranks: {g['heads_per_rank']} heads "
+            "per rank; every figure below is per rank (one GPU)"
+        )
+    lines += [
+        f"  caches  {g['sessions']} session(s) x {g['cache_sets']} cache set(s) x {w['layers']} layers = "
+        f"{g['caches']} caches in one pool",
         f"  chunk   {w['chunk_frames']} frames = {_n(g['chunk_tokens'])} tokens; {steps} denoise steps + 1 clean pass"
         f" = {steps + 1} calls per chunk and layer"
         + (f"; scene-cut pin every {w['scene_cut_every']} chunks" if w["scene_cut_every"] else ""),
@@ -358,17 +641,18 @@ def format_plan(doc: dict[str, object]) -> str:
         f"  window  {_n(g['window_tokens'])} tokens ({g['window_tokens'] / tpf:g} frames, current chunk included);"
         f" cache_size C = {_n(g['cache_size_tokens'])} slots; attention window W = "
         f"{_n(g['attention_window_tokens'])}",
-        f"  pages   {format_bytes(g['page_bytes'])}; bf16 token row {_n(g['dense_row_bytes'])} B (K or V), "
-        f"{_n(g['dense_tokens_per_page'])} tokens/page; one chunk segment: "
-        + ", ".join(_segment_pages_text(s) for s in settings),
+        f"  pages   bf16 token row {_n(g['dense_row_bytes'])} B (K or V); one chunk segment: "
+        + ", ".join(f"{_segment_pages_text(s)} of {format_bytes(s['page_bytes'])}" for s in settings)
+        + ("" if w["page_bytes"] is not None else " (auto page size per setting)"),
         "",
     ]
     header = (
         "",
+        "page",
         "segments/layer",
         "pages/layer",
         "per layer",
-        "all layers",
+        "all caches",
         "vs dense",
         "waste",
         "pool pages",
@@ -378,6 +662,7 @@ def format_plan(doc: dict[str, object]) -> str:
     rows.append(
         (
             "dense bf16 (reference)",
+            "-",
             "-",
             "-",
             format_bytes(g["dense_cache_bytes_per_layer"]),
@@ -401,6 +686,7 @@ def format_plan(doc: dict[str, object]) -> str:
         rows.append(
             (
                 name + mark,
+                format_bytes(s["page_bytes"]),
                 segs,
                 _n(per["pages"]),
                 format_bytes(per["bytes"]),
@@ -415,7 +701,7 @@ def format_plan(doc: dict[str, object]) -> str:
     for r in rows:
         lines.append("  " + "  ".join(c.ljust(widths[0]) if i == 0 else c.rjust(widths[i]) for i, c in enumerate(r)))
     for item in doc.get("unavailable") or []:
-        lines.append(f"  paged {item['mode']}: not possible with this shape: {item['reason']}")
+        lines.append(f"  paged {item['mode']}: not possible with this shape: {speak_flags(item['reason'])}")
     view = settings[0]
     lines += [
         "",
@@ -428,44 +714,41 @@ def format_plan(doc: dict[str, object]) -> str:
     budget = doc.get("budget")
     if budget:
         assert isinstance(budget, dict)
-        lines += ["", f"  budget {format_bytes(budget['bytes'])} ({budget['source']}): largest window that fits"]
+        arithmetic = budget.get("lines") or []
+        if len(arithmetic) > 1:
+            lines += ["", "  budget per rank:"]
+            for item in arithmetic:
+                lines.append(f"    {item['op']:>1} {format_bytes(int(item['bytes'])):>12}  {item['label']}")
+        sessions = int(g["sessions"])
+        lines += [
+            "",
+            f"  budget {format_bytes(budget['bytes'])} ({budget['source']}): largest window that fits "
+            f"({sessions} session(s)), and sessions that fit at this window",
+        ]
         for r in budget["fits"]:
             name = "bf16" if r["mode"] == "off" else r["mode"]
+            fit = f"{r['max_sessions']} session(s) at {g['window_tokens'] / tpf:g} frames"
             if r["max_window_frames"] is None:
                 lines.append(
                     f"    {name:<5} does not fit: even {r['min_window_frames']} frames need "
-                    f"{format_bytes(r['min_budget_bytes'])}"
+                    f"{format_bytes(r['min_budget_bytes'])}; {fit}"
                 )
             else:
                 at_least = ">=" if r["search_limited"] else "  "
                 lines.append(
                     f"    {name:<5} {at_least}{r['max_window_frames']:>6} frames (C = "
                     f"{_n(r['cache_size_tokens'])} slots): needs {format_bytes(r['budget_bytes'])} "
-                    f"(pool {format_bytes(r['pool_bytes'])})"
+                    f"(pool {format_bytes(r['pool_bytes'])}); {fit}"
                     + ("; the search stops there" if r["search_limited"] else "")
                 )
     return "\n".join(lines)
 
 
-def _budget(args: argparse.Namespace) -> tuple[int | None, str]:
-    if args.budget is not None:
-        return args.budget, "--budget"
-    if args.memory_fraction is not None:
-        device = args.device
-        if device is None:
-            import torch
-
-            device = "cuda" if torch.cuda.is_available() else "cpu"
-        free = available_memory_bytes(device)
-        return int(free * args.memory_fraction), f"{args.memory_fraction:g} of {format_bytes(free)} free on {device}"
-    return None, ""
-
-
 def cmd_plan(args: argparse.Namespace) -> int:
     """`pagedqvg plan`."""
     w = workload_from_args(args)
-    budget, source = _budget(args)
-    doc = build_plan(w, budget, source)
+    budget = resolve_budget(args, w)
+    doc = build_plan(w, budget)
     print(json.dumps(doc, indent=2) if args.json else format_plan(doc))
     return 0
 
@@ -475,20 +758,25 @@ def format_summary(s: dict[str, object]) -> str:
     """The human summary of a simulate run."""
     w, m, p, a = s["workload"], s["measured"], s["plan"], s["agreement"]
     assert isinstance(w, dict) and isinstance(m, dict) and isinstance(p, dict) and isinstance(a, dict)
-    if s["engine"] == "accounting":
-        engine = "accounting only (--dry-run, no tensors)"
-    else:
-        engine = f"real caches on {s['device']}"
+    dry = s["engine"] == "accounting"
+    engine = "accounting only (--dry-run, no tensors)" if dry else f"real caches on {s['device']}"
+    ranks = int(w["ulysses"]) * int(w["tp"])
+    scope = ""
+    if int(w["sessions"]) > 1 or int(w["cache_sets"]) > 1:
+        scope += f", {w['sessions']} session(s) x {w['cache_sets']} cache set(s) in one pool"
+    if ranks > 1:
+        scope += f", one rank of {ranks} ({int(w['heads']) // ranks} heads)"
     lines = [
         f"pagedqvg simulate: {w['name']}: {w['layers']} layers x {w['heads']} heads x {w['head_dim']}, "
         f"{w['tokens_per_frame']} tokens/frame, {s['chunks']} chunks of {w['chunk_frames']} frames, quant "
-        f"{s['quant_measured']}",
+        f"{s['quant_measured']}{scope}",
         f"  {engine}: {_n(int(s['calls']))} calls in {s['seconds']:.2f} s; pool "
         f"{format_bytes(int(s['pool_capacity_bytes']))}",
     ]
     if s["note"]:
         lines.append(f"  note: {s['note']}")
-    rows = [("", "measured", "plan", "diff")]
+    source = "replayed" if dry else "measured"
+    rows = [("", source, "plan", "diff")]
 
     def row(label: str, mk: str, pk: str) -> None:
         mv, pv = int(m[mk]), int(p[pk])
@@ -515,12 +803,12 @@ def format_summary(s: dict[str, object]) -> str:
     if a["checked"]:
         verdict = "agree" if a["ok"] else "DISAGREE"
         lines.append(
-            f"  measured vs plan: {verdict} (steady state {100 * a['steady_state_rel_diff']:.3f}%, "
+            f"  {source} vs plan: {verdict} (steady state {100 * a['steady_state_rel_diff']:.3f}%, "
             f"high-water {100 * a['high_water_rel_diff']:.3f}%; tolerance {100 * a['tolerance']:g}%)"
         )
     else:
         lines.append(
-            f"  measured vs plan: not checked, {s['chunks']} chunks do not reach the steady state "
+            f"  {source} vs plan: not checked, {s['chunks']} chunks do not reach the steady state "
             f"(plan: {p['warmup_chunks']} chunks); use --chunks {p['warmup_chunks']} or more"
         )
     acc = s.get("accounting")
@@ -556,6 +844,8 @@ def cmd_simulate(args: argparse.Namespace) -> int:
 
     w = workload_from_args(args)
     geom = Geometry.from_workload(w)
+    device = args.device or "cpu"
+    seed = args.seed or 0
     out_dir = Path(args.out)
     try:  # before the run: an unusable output folder is bad input, not a traceback after minutes of work
         out_dir.mkdir(parents=True, exist_ok=True)
@@ -569,8 +859,8 @@ def cmd_simulate(args: argparse.Namespace) -> int:
         timeline = sim.run_accounting(geom, w.chunks, progress=args.progress)
     else:
         plan = plan_geometry(geom)
-        sim.check_fits(geom, args.device, plan.pool_bytes)
-        timeline = sim.run_caches(geom, w, device=args.device, seed=args.seed, progress=args.progress)
+        sim.check_fits(geom, device, plan.pool_bytes)
+        timeline = sim.run_caches(geom, w, device=device, seed=seed, progress=args.progress)
         measured = (
             geom
             if timeline.quant_mode == geom.quant.mode
@@ -604,17 +894,19 @@ def cmd_simulate(args: argparse.Namespace) -> int:
 def main(argv: list[str] | None = None) -> int:
     """Entry point of the `pagedqvg` console script; returns the exit status (2 for bad input)."""
     parser = build_parser()
+    argv = join_negative_values(list(sys.argv[1:] if argv is None else argv))
     try:
         args = parser.parse_args(argv)
-    except SystemExit as exc:  # --help (0) or a usage error (2, already reported on one line)
+    except SystemExit as exc:  # --help/--version (0) or a usage error (2, already reported on one line)
         return int(exc.code or 0)
     if args.command is None:
         _fail("choose a command: plan or simulate (see pagedqvg --help)")
         return 2
     try:
+        check_combinations(args, _typed_flags(argv))
         return int(args.func(args))
     except ValueError as exc:  # UsageError, CacheConfigError, QuantConfig and geometry checks
-        _fail(str(exc))
+        _fail(speak_flags(str(exc)))
         return 2
 
 

@@ -159,3 +159,100 @@ def page_pieces(pages: list[int], tokens_per_page: int, t0: int, t1: int) -> lis
         out.append((pages[index], first, last))
         t += last - first
     return out
+
+
+# ---------------------------------------------------------------------------------------------------- page size
+#: `choose_page_bytes` picks the largest page whose worst segment kind wastes at most this fraction of its pages.
+AUTO_PAGE_WASTE = 0.005
+#: Largest page `choose_page_bytes` considers (bytes).
+AUTO_PAGE_MAX_BYTES = 4 << 20
+#: Pages are multiples of this many bytes (the pool's alignment, `allocator.PAGE_ALIGN_BYTES`).
+PAGE_ALIGN = 256
+
+
+@dataclass(frozen=True, slots=True)
+class SegmentKind:
+    """One kind of segment a cache stores: row regions `(record_bytes, records)`, each on its own pages, whole
+    records per page. A bf16 chunk: one region of tokens (`2 * B * H * D * itemsize` bytes per token); a packed
+    chunk: its token region (`2 * B * token_row_bytes` per token) and its codebook region (one row per table)."""
+
+    name: str
+    regions: tuple[tuple[int, int], ...]
+
+    def pages(self, page_bytes: int) -> int:
+        """Pages one segment of this kind takes with `page_bytes` pages (0 if a record does not fit)."""
+        total = 0
+        for record, count in self.regions:
+            per_page = page_bytes // record
+            if per_page < 1:
+                return 0
+            total += -(-count // per_page)
+        return total
+
+    @property
+    def used_bytes(self) -> int:
+        """Bytes the records occupy (no page rounding)."""
+        return sum(record * count for record, count in self.regions)
+
+    def waste(self, page_bytes: int) -> float:
+        """Fraction of this segment's pages not holding records, with `page_bytes` pages (1.0 if none fits)."""
+        pages = self.pages(page_bytes)
+        return 1.0 if pages == 0 else 1.0 - self.used_bytes / (pages * page_bytes)
+
+
+def segment_kinds(
+    batch_size: int, num_heads: int, head_dim: int, itemsize: int, chunk_tokens: int, packed_format=None
+) -> tuple[SegmentKind, ...]:
+    """The segment kinds a cache of this shape stores for chunks of `chunk_tokens` tokens: bf16 chunks, plus packed
+    chunks when `packed_format` (a `quant.format.PackedFormat`, duck-typed) is given."""
+    kinds = [SegmentKind("bf16", ((2 * batch_size * num_heads * head_dim * itemsize, chunk_tokens),))]
+    if packed_format is not None:
+        f = packed_format
+        kinds.append(
+            SegmentKind(
+                "packed",
+                (
+                    (2 * batch_size * f.token_row_bytes, chunk_tokens),
+                    (f.codebook_row_bytes, 2 * batch_size * f.num_codebook_rows),
+                ),
+            )
+        )
+    return tuple(kinds)
+
+
+@dataclass(frozen=True, slots=True)
+class PageChoice:
+    """What `choose_page_bytes` picked: the page size (bytes) and each segment kind's waste fraction with it."""
+
+    page_bytes: int
+    waste: tuple[tuple[str, float], ...]  # (kind name, fraction of that kind's pages not holding records)
+    target: float
+    met: bool  # every kind wastes <= target
+
+    @property
+    def worst(self) -> float:
+        return max(w for _, w in self.waste)
+
+
+def choose_page_bytes(
+    kinds: tuple[SegmentKind, ...], *, target: float = AUTO_PAGE_WASTE, max_page_bytes: int = AUTO_PAGE_MAX_BYTES
+) -> PageChoice:
+    """The page size for segments of `kinds` (`--page-bytes auto`): the largest multiple of 256 B up to
+    `max_page_bytes` whose worst kind wastes at most `target` of its pages (page tails plus the unfilled last page
+    of each region). Larger pages mean fewer pages per segment (fewer page pieces per view), and any mix of
+    whole-chunk segments then wastes at most `target`. If no page meets it: the page with the least waste over one
+    segment of each kind together (ties: the larger page). O(max_page_bytes / 256 * regions)."""
+    smallest = max(record for k in kinds for record, _ in k.regions)
+    lo = -(-smallest // PAGE_ALIGN) * PAGE_ALIGN
+    hi = max(lo, max_page_bytes // PAGE_ALIGN * PAGE_ALIGN)
+    used = sum(k.used_bytes for k in kinds)
+    best_p, best_pooled = lo, 2.0
+    for p in range(hi, lo - 1, -PAGE_ALIGN):
+        if max(k.waste(p) for k in kinds) <= target:
+            best_p = p
+            break
+        pooled = 1.0 - used / (p * sum(k.pages(p) for k in kinds))
+        if pooled < best_pooled:
+            best_p, best_pooled = p, pooled
+    waste = tuple((k.name, k.waste(best_p)) for k in kinds)
+    return PageChoice(best_p, waste, target, max(w for _, w in waste) <= target)

@@ -40,7 +40,7 @@ import torch
 
 from .allocator import PAGE_ALIGN_BYTES, RangeEntry, RangeIndex
 from .cache import effective_sink, released_segments, view_slot_ranges
-from .layout import DenseTokenLayout, PackedSegmentLayout, dtype_itemsize
+from .layout import DenseTokenLayout, PackedSegmentLayout, PageChoice, choose_page_bytes, dtype_itemsize, segment_kinds
 from .presets import Workload
 from .quant.config import QuantConfig
 from .quant.format import PackedFormat
@@ -61,10 +61,10 @@ MAX_PINNED_SEARCH_CHUNKS = 1024
 class Geometry:
     """One layer's cache geometry in tokens (= slots) and bytes, resolved from a `Workload` and checked."""
 
-    caches: int  # caches sharing the pool: layers * cache_sets
+    caches: int  # caches sharing the pool: layers * cache_sets * sessions
     cache_sets: int
     batch_size: int
-    heads: int
+    heads: int  # per rank: the workload's heads / (ulysses * tp)
     head_dim: int
     dtype: torch.dtype
     page_bytes: int
@@ -77,6 +77,9 @@ class Geometry:
     scene_cut_every: int
     denoise_steps: int
     quant: QuantConfig
+    sessions: int = 1
+    ranks: int = 1  # ulysses * tp: this geometry is one rank's caches
+    page_choice: PageChoice | None = None  # set when the page size was chosen automatically
 
     @classmethod
     def from_workload(cls, w: Workload, quant: QuantConfig | None = None) -> Geometry:
@@ -87,14 +90,25 @@ class Geometry:
         gsink = w.global_sink_tokens if w.global_sink_tokens is not None else (sink if w.global_sink else 0)
         e0 = max(sink, gsink)
         cache_size = w.cache_size_tokens if w.cache_size_tokens is not None else e0 + w.window_frames * tpf
+        quant = w.quant if quant is None else quant
+        heads = w.heads // w.ranks
+        choice = None
+        page_bytes = w.page_bytes
+        if page_bytes is None:
+            fmt = PackedFormat(w.head_dim, heads, quant, w.torch_dtype) if quant.enabled else None
+            kinds = segment_kinds(
+                w.batch_size, heads, w.head_dim, dtype_itemsize(w.torch_dtype), w.chunk_frames * tpf, fmt
+            )
+            choice = choose_page_bytes(kinds)
+            page_bytes = choice.page_bytes
         geom = cls(
-            caches=w.layers * w.cache_sets,
+            caches=w.layers * w.cache_sets * w.sessions,
             cache_sets=w.cache_sets,
             batch_size=w.batch_size,
-            heads=w.heads,
+            heads=heads,
             head_dim=w.head_dim,
             dtype=w.torch_dtype,
-            page_bytes=w.page_bytes,
+            page_bytes=page_bytes,
             tokens_per_frame=tpf,
             chunk_tokens=w.chunk_frames * tpf,
             sink_tokens=sink,
@@ -103,7 +117,10 @@ class Geometry:
             attention_window=w.attention_window_tokens or 0,
             scene_cut_every=w.scene_cut_every,
             denoise_steps=w.denoise_steps,
-            quant=w.quant if quant is None else quant,
+            quant=quant,
+            sessions=w.sessions,
+            ranks=w.ranks,
+            page_choice=choice,
         )
         geom._check()
         return geom
@@ -126,7 +143,10 @@ class Geometry:
                     f"raise --window-frames or lower --global-sink-tokens"
                 )
         if self.page_bytes % PAGE_ALIGN_BYTES:
-            raise ValueError(f"--page-bytes must be a multiple of {PAGE_ALIGN_BYTES}, got {self.page_bytes}")
+            raise ValueError(
+                f"--page-bytes must be a multiple of {PAGE_ALIGN_BYTES}, got {self.page_bytes}; nearest valid: "
+                f"{max(PAGE_ALIGN_BYTES, round(self.page_bytes / PAGE_ALIGN_BYTES) * PAGE_ALIGN_BYTES)} (or auto)"
+            )
         packed = self.packed_layout()  # ValueError naming the quantization field
         # A page holds whole tokens: K and V rows of every batch element (layout.py).
         token_bytes = 2 * self.batch_size * self.dense.row_bytes
@@ -198,8 +218,25 @@ class Geometry:
         return dataclasses.replace(self, cache_size=self.effective_sink + frames * self.tokens_per_frame)
 
 
+#: The command-line flag of each Workload field (errors name the flag a user types).
+FIELD_FLAGS: dict[str, str] = {
+    "cache_size_tokens": "--cache-size",
+    "attention_window_tokens": "--attention-window",
+}
+
+
+def flag_of(name: str) -> str:
+    """The `pagedqvg` flag that sets Workload field `name` (`head_dim` -> `--head-dim`)."""
+    return FIELD_FLAGS.get(name, "--" + name.replace("_", "-"))
+
+
+def valid_rank_counts(heads: int) -> list[int]:
+    """Rank counts (ulysses x tp) that split `heads` heads evenly: the divisors of `heads`."""
+    return [d for d in range(1, heads + 1) if heads % d == 0]
+
+
 def check_workload(w: Workload) -> None:
-    """ValueError naming the first field of `w` that is out of range (sizes must be positive)."""
+    """ValueError naming the flag of the first field of `w` that is out of range (sizes must be positive)."""
     positive = (
         "layers",
         "heads",
@@ -209,14 +246,22 @@ def check_workload(w: Workload) -> None:
         "window_frames",
         "denoise_steps",
         "batch_size",
-        "page_bytes",
         "cache_sets",
         "chunks",
+        "sessions",
+        "ulysses",
+        "tp",
     )
     for name in positive:
         value = getattr(w, name)
         if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-            raise ValueError(f"{name.replace('_', '-')} must be a positive int, got {value!r}")
+            raise ValueError(f"{flag_of(name)} must be a positive integer, got {value!r}")
+    if w.page_bytes is not None and (
+        isinstance(w.page_bytes, bool) or not isinstance(w.page_bytes, int) or w.page_bytes < 1
+    ):
+        raise ValueError(f"--page-bytes must be a positive size or auto, got {w.page_bytes!r}")
+    if isinstance(w.weights_bytes, bool) or not isinstance(w.weights_bytes, int) or w.weights_bytes < 0:
+        raise ValueError(f"--weights must be a size >= 0, got {w.weights_bytes!r}")
     for name in (
         "sink_frames",
         "scene_cut_every",
@@ -227,9 +272,15 @@ def check_workload(w: Workload) -> None:
     ):
         value = getattr(w, name)
         if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 0):
-            raise ValueError(f"{name.replace('_', '-')} must be an int >= 0, got {value!r}")
+            raise ValueError(f"{flag_of(name)} must be an integer >= 0, got {value!r}")
     if w.dtype not in ("bf16", "fp16", "fp32"):
-        raise ValueError(f"dtype must be bf16, fp16 or fp32, got {w.dtype!r}")
+        raise ValueError(f"--dtype must be bf16, fp16 or fp32, got {w.dtype!r}")
+    if w.heads % w.ranks:
+        ranks = f"--ulysses {w.ulysses} x --tp {w.tp} = {w.ranks} ranks"
+        raise ValueError(
+            f"--heads {w.heads} cannot be split evenly across {ranks}; valid rank counts (ulysses x tp) for "
+            f"{w.heads} heads: {', '.join(map(str, valid_rank_counts(w.heads)))}"
+        )
     if w.window_frames < w.chunk_frames and w.cache_size_tokens is None:
         raise ValueError(
             f"window smaller than a chunk: --window-frames {w.window_frames} < --chunk-frames {w.chunk_frames} "
@@ -633,6 +684,7 @@ class SettingPlan:
         return {
             "mode": self.mode,
             "exact_by": self.exact_by,
+            "page_bytes": self.page_bytes,
             "per_layer": {
                 "bytes": self.bytes,
                 "pages": self.pages,
@@ -789,3 +841,46 @@ def min_window_frames(geom: Geometry, chunk_frames: int) -> int:
         extra = max(0, e_pin - geom.effective_sink)
         frames += -(-extra // geom.tokens_per_frame)
     return frames
+
+
+#: `max_sessions` stops counting here.
+MAX_SESSIONS = 1 << 16
+
+
+def max_sessions(geom: Geometry, budget: int, limit: int = MAX_SESSIONS) -> int:
+    """Most concurrent sessions (each `geom.caches // geom.sessions` caches, advancing together, their calls
+    interleaved one at a time) whose pool high-water plus one transient view fit in `budget` bytes; 0 if not even
+    one. The pool grows linearly with the caches, so one plan and O(log sessions) arithmetic steps."""
+    per = geom.caches // geom.sessions
+    one = dataclasses.replace(geom, caches=per, sessions=1)
+    if one.scene_cut_every:
+        census = replay_layer(one)
+        view = geom.view_bytes(census.view_tokens)
+
+        def pages(caches: int) -> int:
+            return census.pool_high_water(caches)
+
+    else:
+        plan = plan_geometry(one, replay=False)
+        view = plan.view_bytes
+        extra = plan.high_water_pages - plan.pages * per
+
+        def pages(caches: int) -> int:
+            return plan.pages * caches + extra
+
+    def fits(n: int) -> bool:
+        return pages(per * n) * geom.page_bytes + view <= budget
+
+    if not fits(1):
+        return 0
+    lo, hi = 1, 2
+    while hi <= limit and fits(hi):
+        lo, hi = hi, hi * 2
+    hi = min(hi, limit + 1)
+    while hi - lo > 1:
+        mid = (lo + hi) // 2
+        if fits(mid):
+            lo = mid
+        else:
+            hi = mid
+    return lo

@@ -27,7 +27,18 @@ Choices made for the presets (SEMANTICS.md gives shapes, not every knob):
   the same range, one clean context rewrite: `denoise_steps + 1` calls (5 for the default 4 steps).
 - `cache_sets` (default 1): independent cache sets of `layers` caches each, e.g. 2 with classifier-free guidance.
 - `*-mini` presets keep a preset's frame counts and call pattern with a tiny per-frame shape (4 layers, 4 heads,
-  head_dim 64, 256 tokens per frame, 40 KiB pages), for `simulate` runs on a CPU.
+  head_dim 64, 256 tokens per frame), for `simulate` runs on a CPU.
+- `page_bytes` is None ("auto", the default): the planner picks the page size from the record sizes of the segment
+  kinds in use (`layout.choose_page_bytes`).
+- Deployment (`pagedqvg plan --gpu ...`): `ulysses` / `tp` ranks split the heads (each rank's caches hold
+  `heads / (ulysses * tp)` heads of every token, as Ulysses sequence parallelism and tensor parallelism do);
+  `sessions` concurrent sessions of `cache_sets` cache sets each share one pool.
+
+Weights (`weights_bytes`, the default of `pagedqvg plan --weights`): an estimate of the **DiT weights only** on one
+GPU, published parameter count x 2 bytes (bf16), from the model cards named in `weights_source`. Not included: the
+text encoder (Wan's umT5-XXL encoder, about 5.7B parameters, often offloaded after encoding the prompt), the VAE
+(Wan-VAE, about 0.13B parameters: small), activations and workspace (`--reserve`). With tensor parallelism the
+weights are split across ranks (`weights / tp`); Ulysses ranks each hold all of them.
 """
 
 from __future__ import annotations
@@ -39,10 +50,8 @@ import torch
 
 from .quant.config import QuantConfig
 
-#: Default page size of full-size presets (bytes).
-FULL_PAGE_BYTES = 2 << 20
-#: Default page size of the scaled-down `*-mini` presets (bytes).
-MINI_PAGE_BYTES = 40 << 10
+#: Bytes per parameter of bf16 weights.
+BF16_BYTES_PER_PARAM = 2
 #: Tokens per latent frame of the `*-mini` presets (a 16 x 16 grid).
 MINI_TOKENS_PER_FRAME = 256
 #: The preset `pagedqvg simulate` runs when given no arguments.
@@ -70,8 +79,13 @@ class Workload:
     denoise_steps: int = 4
     batch_size: int = 1
     dtype: str = "bf16"
-    page_bytes: int = FULL_PAGE_BYTES
+    page_bytes: int | None = None  # None: auto (layout.choose_page_bytes)
     cache_sets: int = 1
+    sessions: int = 1  # concurrent sessions in one pool, `cache_sets` cache sets each
+    ulysses: int = 1  # Ulysses sequence-parallel ranks (split heads)
+    tp: int = 1  # tensor-parallel ranks (split heads and weights)
+    weights_bytes: int = 0  # DiT weights on one GPU before tensor parallelism (see the module docstring)
+    weights_source: str = ""
     chunks: int = 20  # chunks `simulate` runs
     sink_tokens: int | None = None
     global_sink_tokens: int | None = None
@@ -84,6 +98,11 @@ class Workload:
     def torch_dtype(self) -> torch.dtype:
         """The cache dtype as a torch dtype."""
         return DTYPES[self.dtype]
+
+    @property
+    def ranks(self) -> int:
+        """Ranks the heads are split across: `ulysses * tp`."""
+        return self.ulysses * self.tp
 
     def replace(self, **changes: object) -> Workload:
         """A copy with `changes` applied (None values are ignored, so unset CLI flags keep the preset's value)."""
@@ -114,7 +133,10 @@ PRESETS: dict[str, Workload] = {
         sink_frames=3,
         window_frames=18,
         global_sink=True,
-        description="LingBot-World (Wan 14B): 3-frame chunks, 3-frame global sink, 18-frame window",
+        weights_bytes=14_000_000_000 * BF16_BYTES_PER_PARAM,
+        weights_source="Wan 14B DiT, 14B parameters x 2 B (Wan2.1 model card and paper, arXiv:2503.20314); "
+        "with both Wan2.2 A14B experts resident (27B) pass --weights 54GB",
+        description="LingBot-World (Wan 14B)",
     ),
     "longlive2": Workload(
         name="longlive2",
@@ -127,7 +149,9 @@ PRESETS: dict[str, Workload] = {
         window_frames=32,
         global_sink=False,
         scene_cut_every=10,
-        description="LongLive2 (Wan2.2 5B): 8-frame chunks, 8-frame sink re-pinned on scene cuts, 32-frame window",
+        weights_bytes=5_000_000_000 * BF16_BYTES_PER_PARAM,
+        weights_source="Wan2.2 TI2V-5B DiT, 5B parameters x 2 B (Wan2.2-TI2V-5B model card)",
+        description="LongLive2 (Wan2.2 5B)",
     ),
     "self-forcing": Workload(
         name="self-forcing",
@@ -139,7 +163,9 @@ PRESETS: dict[str, Workload] = {
         sink_frames=3,
         window_frames=21,
         global_sink=True,
-        description="Self-Forcing (Wan 1.3B): 3-frame chunks, one-chunk global sink, 21-frame window",
+        weights_bytes=1_300_000_000 * BF16_BYTES_PER_PARAM,
+        weights_source="Wan2.1 T2V-1.3B DiT, 1.3B parameters x 2 B (Wan2.1-T2V-1.3B model card)",
+        description="Self-Forcing (Wan 1.3B)",
     ),
 }
 
@@ -153,13 +179,62 @@ def mini(preset: Workload) -> Workload:
         heads=4,
         head_dim=64,
         tokens_per_frame=MINI_TOKENS_PER_FRAME,
-        page_bytes=MINI_PAGE_BYTES,
-        description=f"{preset.name} scaled down (4 layers x 4 heads x 64, {MINI_TOKENS_PER_FRAME} tokens/frame)",
+        weights_bytes=0,
+        weights_source="none (a scaled-down preset without a model)",
+        description=f"{preset.name} scaled down",
     )
 
 
 for _name in list(PRESETS):
     PRESETS[f"{_name}-mini"] = mini(PRESETS[_name])
+
+
+_MIB = 1 << 20
+#: Devices `pagedqvg plan --gpu NAME` knows: name -> (total memory in bytes, description). Totals are what
+#: `nvidia-smi` reports as total memory (MiB), a little under the marketed size; the KV budget is then
+#: `total * --memory-fraction - weights / tp - --reserve`.
+GPUS: dict[str, tuple[int, str]] = {
+    "H200": (143771 * _MIB, "NVIDIA H200 141GB (HBM3e)"),
+    "H100": (81559 * _MIB, "NVIDIA H100 80GB (SXM / PCIe)"),
+    "H20": (97871 * _MIB, "NVIDIA H20 96GB"),
+    "A100-80GB": (81920 * _MIB, "NVIDIA A100 80GB"),
+    "A100-40GB": (40960 * _MIB, "NVIDIA A100 40GB"),
+    "L40S": (46068 * _MIB, "NVIDIA L40S 48GB"),
+    "RTX6000-ADA": (49140 * _MIB, "NVIDIA RTX 6000 Ada 48GB"),
+    "RTX4090": (24564 * _MIB, "NVIDIA GeForce RTX 4090 24GB"),
+    "L4": (23034 * _MIB, "NVIDIA L4 24GB"),
+}
+#: `--memory-fraction` when `--gpu` is given without it (vLLM's default `--gpu-memory-utilization`).
+DEFAULT_GPU_MEMORY_FRACTION = 0.9
+
+
+def _gpu_key(name: str) -> str:
+    return "".join(ch for ch in name.upper() if ch.isalnum())
+
+
+def get_gpu(name: str) -> tuple[str, int, str]:
+    """`(canonical name, total bytes, description)` of a `GPUS` entry (case, spaces and dashes ignored; `A100` is
+    ambiguous). ValueError listing the known names otherwise."""
+    wanted = _gpu_key(name)
+    for key, (total, text) in GPUS.items():
+        if _gpu_key(key) == wanted:
+            return key, total, text
+    raise ValueError(f"--gpu {name!r} is not in the device table; known: {', '.join(GPUS)} (or use --budget BYTES)")
+
+
+def shape_text(w: Workload) -> str:
+    """The workload's chunking, sink and window in words, from its own fields (so overrides show)."""
+    sink = f"{w.sink_tokens}-token sink" if w.sink_tokens is not None else f"{w.sink_frames}-frame sink"
+    if w.global_sink_tokens is not None:
+        sink += f", {w.global_sink_tokens}-token global sink"
+    elif w.global_sink and (w.sink_tokens or w.sink_frames):
+        sink = sink.replace("sink", "global sink")
+    if w.scene_cut_every:
+        sink += f" re-pinned every {w.scene_cut_every} chunks"
+    window = (
+        f"cache {w.cache_size_tokens} tokens" if w.cache_size_tokens is not None else f"{w.window_frames}-frame window"
+    )
+    return f"{w.chunk_frames}-frame chunks, {sink}, {window}"
 
 
 def get_preset(name: str) -> Workload:

@@ -195,17 +195,33 @@ def _pages_by_kind(cache) -> tuple[int, int]:
     return sum(seg[2] for seg in cache.segments()), 0
 
 
+def cache_names(geom: Geometry) -> list[str]:
+    """Names of the pool's caches in call order: `layer{i}`, with `set{s}.` for several cache sets and `session{j}.`
+    for several sessions (session-major: every call step runs session 0's caches, then session 1's, ...)."""
+    per_session = geom.caches // geom.sessions
+    per_set = per_session // geom.cache_sets
+    names = []
+    for c in range(geom.caches):
+        j, r = divmod(c, per_session)
+        s, i = divmod(r, per_set)
+        name = f"layer{i}"
+        if geom.cache_sets > 1:
+            name = f"set{s}.{name}"
+        if geom.sessions > 1:
+            name = f"session{j}.{name}"
+        names.append(name)
+    return names
+
+
 def make_caches(geom: Geometry, pool: BlockPool, quant: QuantConfig | None) -> list:
-    """`geom.caches` caches on `pool`, named `layer{i}` (`set{s}.layer{i}` with several cache sets)."""
+    """`geom.caches` caches on `pool`, named by `cache_names` (one rank's caches: `geom.heads` heads each)."""
     from .cache import PagedCausalKVCache
 
-    per_set = geom.caches // geom.cache_sets
-    caches = []
     kwargs = geom.cache_kwargs()
-    for c in range(geom.caches):
-        name = f"layer{c}" if geom.cache_sets == 1 else f"set{c // per_set}.layer{c % per_set}"
-        caches.append(PagedCausalKVCache(pool=pool, device=pool.device, quant=quant, name=name, **kwargs))
-    return caches
+    return [
+        PagedCausalKVCache(pool=pool, device=pool.device, quant=quant, name=name, **kwargs)
+        for name in cache_names(geom)
+    ]
 
 
 def chunk_kv(geom: Geometry, chunk_frames: int, chunk: int, seed: int, device: torch.device):

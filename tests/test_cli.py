@@ -48,7 +48,8 @@ def test_plan_json_schema(capsys, preset: str) -> None:
     assert doc["schema"] == PLAN_SCHEMA
     assert set(doc) == {"schema", "workload", "geometry", "selected", "settings", "unavailable", "budget"}
     assert doc["workload"]["name"] == preset and isinstance(doc["workload"]["quant"], dict)
-    geometry_keys = {"caches", "chunk_tokens", "sink_tokens", "global_sink_tokens", "effective_sink_tokens",
+    geometry_keys = {"caches", "sessions", "cache_sets", "ranks", "heads_per_rank",
+                     "chunk_tokens", "sink_tokens", "global_sink_tokens", "effective_sink_tokens",
                      "window_tokens", "cache_size_tokens", "attention_window_tokens", "page_bytes", "dense_row_bytes",
                      "dense_rows_per_page", "dense_tokens_per_page", "dense_cache_bytes_per_layer",
                      "dense_cache_bytes_all_layers"}
@@ -57,9 +58,10 @@ def test_plan_json_schema(capsys, preset: str) -> None:
     assert doc["selected"] == "off"
     assert [s["mode"] for s in doc["settings"]] == ["off", "int4", "int2"]
     for s in doc["settings"]:
-        assert set(s) == {"mode", "exact_by", "per_layer", "all_layers", "segment_pages", "ratio_vs_dense",
-                          "pool_pages", "pool_bytes", "transient_view_tokens", "transient_view_bytes",
-                          "budget_bytes", "warmup_chunks"}
+        assert set(s) == {"mode", "exact_by", "page_bytes", "page_auto", "page_waste_by_kind", "per_layer",
+                          "all_layers", "segment_pages", "ratio_vs_dense", "pool_pages", "pool_bytes",
+                          "transient_view_tokens", "transient_view_bytes", "budget_bytes", "warmup_chunks"}
+        assert s["page_auto"] and all(w <= 0.01 for w in s["page_waste_by_kind"].values())
         assert set(s["per_layer"]) == {"bytes", "pages", "used_bytes", "waste_bytes", "bf16_bytes", "packed_bytes",
                                        "bf16_segments", "packed_segments", "dense_bytes"}
         assert set(s["all_layers"]) == {"bytes", "pages", "used_bytes", "waste_bytes", "dense_bytes"}
@@ -67,13 +69,14 @@ def test_plan_json_schema(capsys, preset: str) -> None:
         assert isinstance(s["ratio_vs_dense"], float)
         assert s["all_layers"]["bytes"] == s["per_layer"]["bytes"] * doc["geometry"]["caches"]
         assert s["budget_bytes"] == s["pool_bytes"] + s["transient_view_bytes"]
-        assert s["pool_bytes"] == s["pool_pages"] * doc["geometry"]["page_bytes"]
+        assert s["pool_bytes"] == s["pool_pages"] * s["page_bytes"]
+    assert doc["geometry"]["page_bytes"] == doc["settings"][0]["page_bytes"]  # the selected setting's (off)
     budget = doc["budget"]
     assert budget["bytes"] == 40 << 30 and budget["source"] == "--budget"
     assert [f["mode"] for f in budget["fits"]] == ["off", "int4", "int2"]
     for f in budget["fits"]:
-        assert set(f) == {"mode", "max_window_frames", "search_limited", "cache_size_tokens", "budget_bytes",
-                          "pool_bytes", "min_window_frames", "min_budget_bytes"}
+        assert set(f) == {"mode", "page_bytes", "max_window_frames", "search_limited", "cache_size_tokens",
+                          "budget_bytes", "pool_bytes", "min_window_frames", "min_budget_bytes", "max_sessions"}
         assert _is_int(f["max_window_frames"]) and f["budget_bytes"] <= budget["bytes"]
     frames = [f["max_window_frames"] for f in budget["fits"]]
     assert frames == sorted(frames)  # int2 fits the most
@@ -95,7 +98,7 @@ def test_plan_memory_fraction(capsys) -> None:
                        "--json")
     assert code == 0
     budget = json.loads(out)["budget"]
-    assert budget["bytes"] > 0 and "free on cpu" in budget["source"]
+    assert budget["bytes"] > 0 and "free memory on cpu" in budget["source"]
 
 
 def test_plan_quant_flags(capsys) -> None:
@@ -117,6 +120,109 @@ def test_plan_marks_impossible_quant_modes(capsys) -> None:
     assert "paged int2: not possible with this shape" in out
 
 
+def test_version(capsys) -> None:
+    import pagedqvg
+
+    code, out, err = run(capsys, "--version")
+    assert code == 0 and out.strip() == f"pagedqvg {pagedqvg.__version__}" and err == ""
+
+
+def test_budget_rules_agree_and_say_how_to_write_it(capsys) -> None:
+    """`--budget -5GiB` (argparse would take -5GiB for a flag), `--budget=-5GiB` and `--budget 0` get one rule."""
+    errs = []
+    for argv in (["--budget", "-5GiB"], ["--budget=-5GiB"], ["--budget", "0"]):
+        code, _, err = run(capsys, "plan", *argv)
+        assert code == 2
+        errs.append(err)
+    for err in errs:
+        assert "--budget" in err and "must be a size > 0 bytes" in err and "write it like --budget 24GiB" in err
+    assert errs[0] == errs[1]
+
+
+@pytest.mark.parametrize(
+    ("argv", "flags", "internal"),
+    [
+        (["--kv-cache-quant", "int2", "--kv-cache-quant-centroids", "999"], ["--kv-cache-quant-centroids 999"],
+         ["QuantConfig", "centroids="]),
+        (["--kv-cache-quant", "int2", "--kv-cache-quant-block-size", "48"],
+         ["--kv-cache-quant-block-size 48", "--head-dim 128"], ["block_size", "head_dim"]),
+        (["--kv-cache-quant", "int4", "--kv-cache-quant-pack-trits"],
+         ["--kv-cache-quant-pack-trits true", "--kv-cache-quant int4"], ["pack_trits", "bits="]),
+        (["--kv-cache-quant", "off", "--kv-cache-quant-stages", "2"],
+         ["--kv-cache-quant-stages", "--kv-cache-quant off"], []),
+        (["--chunks", "5"], ["--chunks", "simulate"], []),
+        (["--ulysses", "3"], ["--ulysses 3", "--heads 40", "1, 2, 4, 5, 8, 10, 20, 40"], []),
+        (["--page-bytes", "1000"], ["--page-bytes", "1024"], ["page_bytes"]),
+        (["--layers", "0"], ["--layers"], []),
+    ],
+)
+def test_errors_name_the_flags_typed(capsys, argv: list[str], flags: list[str], internal: list[str]) -> None:
+    code, _, err = run(capsys, "plan", *argv)
+    assert code == 2 and len(err.splitlines()) == 1
+    for text in flags:
+        assert text in err, err
+    for text in internal:
+        assert text not in err, err
+
+
+def test_simulate_device_errors_name_the_flag(capsys, tmp_path: Path) -> None:
+    code, _, err = run(capsys, "simulate", *TINY_SIM, "--device", "tpu", "--out", str(tmp_path))
+    assert code == 2 and "--device tpu" in err and "cpu or cuda" in err
+
+
+def test_plan_header_reflects_overrides(capsys) -> None:
+    _, out, _ = run(capsys, "plan", "--preset", "lingbot-world")
+    assert out.splitlines()[0].endswith("3-frame chunks, 3-frame global sink, 18-frame window")
+    _, out, _ = run(capsys, "plan", "--preset", "lingbot-world", "--sink-frames", "6", "--window-frames", "24",
+                    "--chunk-frames", "6")
+    assert out.splitlines()[0].endswith("6-frame chunks, 6-frame global sink, 24-frame window")
+    assert "3-frame" not in out.splitlines()[0]
+
+
+def test_plan_gpu_budget_arithmetic(capsys) -> None:
+    """--gpu: total x fraction - weights / tp - reserve, line by line; the preset's weights by default."""
+    code, out, _ = run(capsys, "plan", "--preset", "lingbot-world", "--gpu", "h200", "--tp", "2", "--reserve",
+                       "8GiB", "--json")
+    assert code == 0
+    b = json.loads(out)["budget"]
+    total = 143771 << 20
+    usable = int(total * 0.9)
+    weights = 28_000_000_000
+    assert (b["gpu"], b["device_bytes"], b["memory_fraction"]) == ("H200", total, 0.9)
+    assert b["weights_bytes"] == weights and b["weights_per_rank_bytes"] == weights // 2
+    assert "Wan" in b["weights_source"] and "model card" in b["weights_source"]
+    assert b["bytes"] == usable - weights // 2 - (8 << 30)
+    assert [line["bytes"] for line in b["lines"]] == [total, usable, weights // 2, 8 << 30, b["bytes"]]
+    assert [line["op"] for line in b["lines"]] == ["", "=", "-", "-", "="]
+    for f in b["fits"]:
+        assert f["budget_bytes"] <= b["bytes"] and f["max_sessions"] >= 1
+    code, out, _ = run(capsys, "plan", "--preset", "lingbot-world", "--gpu", "H200", "--tp", "2", "--reserve", "8GiB")
+    assert "budget per rank:" in out and "weights / --tp 2" in out and "(--reserve)" in out
+    assert "KV budget per rank" in out and "session(s) at 18 frames" in out
+    code, out, _ = run(capsys, "plan", "--gpu", "H100", "--memory-fraction", "0.5", "--weights", "10GB", "--json")
+    b = json.loads(out)["budget"]
+    assert b["bytes"] == int((81559 << 20) * 0.5) - 10_000_000_000 and b["weights_source"] == "--weights"
+
+
+def test_plan_sessions_and_ranks(capsys) -> None:
+    """Sessions multiply the caches in the pool; ranks divide the heads; max_sessions agrees with a plan at N."""
+    _, out, _ = run(capsys, "plan", "--preset", "self-forcing", "--budget", "24GiB", "--json", "--ulysses", "2",
+                    "--sessions", "3", "--cache-sets", "2")
+    doc = json.loads(out)
+    g = doc["geometry"]
+    assert (g["ranks"], g["heads_per_rank"], g["sessions"], g["caches"]) == (2, 6, 3, 30 * 2 * 3)
+    for f in doc["budget"]["fits"]:
+        n = f["max_sessions"]
+        args = ["plan", "--preset", "self-forcing", "--ulysses", "2", "--cache-sets", "2", "--json",
+                "--kv-cache-quant", "off" if f["mode"] == "off" else f["mode"]]
+        _, out, _ = run(capsys, *args, "--sessions", str(n))
+        needed = next(s for s in json.loads(out)["settings"] if s["mode"] == f["mode"])["budget_bytes"]
+        assert needed <= 24 << 30
+        _, out, _ = run(capsys, *args, "--sessions", str(n + 1))
+        needed = next(s for s in json.loads(out)["settings"] if s["mode"] == f["mode"])["budget_bytes"]
+        assert needed > 24 << 30
+
+
 def test_parse_size() -> None:
     assert parse_size("24GiB") == 24 << 30
     assert parse_size("1.5 MiB") == 3 << 19
@@ -132,6 +238,27 @@ BAD_INPUTS = {
     "zero heads": ["plan", "--heads", "0"],
     "negative sink": ["simulate", "--sink-frames", "-1", "--dry-run"],
     "negative budget": ["plan", "--budget", "-5GiB"],
+    "negative budget joined": ["plan", "--budget=-5GiB"],
+    "zero budget": ["plan", "--budget", "0"],
+    "negative weights": ["plan", "--gpu", "H100", "--weights", "-1GB"],
+    "quant off with a quant knob": ["plan", "--kv-cache-quant", "off", "--kv-cache-quant-pack-trits"],
+    "trits with int4": ["plan", "--kv-cache-quant", "int4", "--kv-cache-quant-pack-trits"],
+    "plan --chunks": ["plan", "--chunks", "5"],
+    "unknown gpu": ["plan", "--gpu", "B300"],
+    "weights larger than the gpu": ["plan", "--gpu", "A100-40GB", "--weights", "60GB"],
+    "gpu too small for the smallest window": ["plan", "--gpu", "L4", "--weights", "1GB", "--reserve", "19GiB"],
+    "ulysses not dividing heads": ["plan", "--ulysses", "3"],
+    "tp x ulysses not dividing heads": ["plan", "--ulysses", "2", "--tp", "3"],
+    "weights without a device": ["plan", "--weights", "1GB"],
+    "budget and gpu": ["plan", "--budget", "1GiB", "--gpu", "H100"],
+    "gpu and device": ["plan", "--gpu", "H100", "--device", "cpu"],
+    "device without fraction": ["plan", "--device", "cpu"],
+    "sink tokens and frames": ["plan", "--sink-frames", "6", "--sink-tokens", "100"],
+    "cache size and window": ["plan", "--cache-size", "50000", "--window-frames", "20"],
+    "zero sessions": ["plan", "--sessions", "0"],
+    "dry run with device": ["simulate", "--dry-run", "--device", "cpu"],
+    "dry run with seed": ["simulate", "--dry-run", "--seed", "3"],
+    "bad page bytes word": ["plan", "--page-bytes", "big"],
     "bad size": ["plan", "--budget", "lots"],
     "budget too small": ["plan", "--preset", "lingbot-world", "--budget", "1GiB"],
     "window smaller than a chunk": ["plan", "--window-frames", "2"],
@@ -235,6 +362,28 @@ def test_simulate_table_says_where_outputs_went(capsys, tmp_path: Path) -> None:
     assert f"timeline: {tmp_path / 'timeline.json'}" in out
     assert "calls identical" in out
     assert not (tmp_path / "timeline.png").exists()
+
+
+def test_simulate_sessions_and_ranks_tiny(capsys, tmp_path: Path) -> None:
+    """Two sessions x two CFG sets of one Ulysses rank (of two) in one pool, int2: plan == measured, call by call."""
+    argv = list(TINY_SIM)
+    argv[argv.index("--heads") + 1] = "4"
+    code, out, err = run(capsys, "simulate", *argv, "--ulysses", "2", "--sessions", "2",
+                         "--cache-sets", "2", "--kv-cache-quant", "int2", "--kv-cache-quant-centroids", "8",
+                         "--kv-cache-quant-iters", "1", "--out", str(tmp_path), "--json", "--no-plot")
+    assert code == 0, err
+    s = json.loads(out)
+    assert s["agreement"]["ok"] and s["agreement"]["steady_state_rel_diff"] == 0.0
+    assert s["accounting"]["mismatches"] == 0 and s["calls"] == 2 * 2 * 2 * 9 * 3
+    assert s["measured"]["packed_bytes"] > 0
+    records = json.loads((tmp_path / "timeline.json").read_text())["records"]
+    assert len({r["cache"] for r in records}) == 8
+
+
+def test_dry_run_table_does_not_say_measured(capsys, tmp_path: Path) -> None:
+    code, out, _ = run(capsys, "simulate", "--dry-run", "--no-plot", "--no-progress", "--out", str(tmp_path))
+    assert code == 0
+    assert "measured" not in out and "replayed vs plan: agree" in out
 
 
 def test_simulate_quantized_tiny(capsys, tmp_path: Path) -> None:

@@ -127,6 +127,39 @@ def test_from_free_memory_fraction():
             BlockPool.from_free_memory(bad)
 
 
+def test_for_layers_picks_pages_for_the_segment_kinds():
+    """`BlockPool.for_layers`: the page size `pagedqvg plan` picks (auto), holding whole tokens and codebook rows."""
+    from pagedqvg import QuantConfig
+    from pagedqvg.layout import AUTO_PAGE_WASTE, choose_page_bytes, segment_kinds
+    from pagedqvg.quant.format import PackedFormat
+
+    pool = BlockPool.for_layers(64 << 20, num_heads=8, head_dim=64, chunk_tokens=1000)
+    token = 2 * 8 * 64 * 2
+    assert pool.page_bytes % PAGE_ALIGN_BYTES == 0 and pool.page_bytes >= token
+    pages = -(-1000 // (pool.page_bytes // token))
+    assert 1 - 1000 * token / (pages * pool.page_bytes) <= AUTO_PAGE_WASTE
+    q = QuantConfig(bits=4)
+    packed = BlockPool.for_layers(64 << 20, num_heads=8, head_dim=64, chunk_tokens=1000, quant=q)
+    kinds = segment_kinds(1, 8, 64, 2, 1000, PackedFormat(64, 8, q))
+    assert packed.page_bytes == choose_page_bytes(kinds).page_bytes
+    assert packed.page_bytes >= q.centroids * 64 * 2  # a codebook row fits
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "needle"),
+    [
+        ({"num_heads": 0}, "num_heads"),
+        ({"chunk_tokens": -1}, "chunk_tokens"),
+        ({"page_bytes": "2MiB"}, "'auto' or an int"),
+        ({"page_bytes": 1000}, "multiple of 256"),
+    ],
+)
+def test_for_layers_bad_arguments(kwargs, needle):
+    args = {"num_heads": 2, "head_dim": 16, "chunk_tokens": 8} | kwargs
+    with pytest.raises(ValueError, match=needle):
+        BlockPool.for_layers(1 << 20, **args)
+
+
 def test_view_buffer_is_reused_and_grows():
     pool = BlockPool(capacity_bytes=1024, page_bytes=256)
     a = pool.view_buffer(10, torch.float32)

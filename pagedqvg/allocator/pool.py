@@ -146,6 +146,45 @@ class BlockPool:
         free = available_memory_bytes(device)
         return cls(capacity_bytes=int(free * fraction), page_bytes=page_bytes, device=device)
 
+    @classmethod
+    def for_layers(
+        cls,
+        capacity_bytes: int,
+        *,
+        num_heads: int,
+        head_dim: int,
+        chunk_tokens: int,
+        dtype: torch.dtype = torch.bfloat16,
+        batch_size: int = 1,
+        quant=None,
+        page_bytes: int | str = "auto",
+        device: torch.device | str = "cpu",
+    ) -> BlockPool:
+        """A pool of `capacity_bytes` bytes for caches of this shape (`num_heads` heads of `head_dim` channels per
+        cache, chunks of `chunk_tokens` tokens, `quant` a `QuantConfig` or None), with the page size `pagedqvg plan`
+        picks for it (`page_bytes="auto"`: `layout.choose_page_bytes` over the segment kinds in use: bf16 chunks and,
+        with quantization on, packed chunks with their codebooks), or `page_bytes` bytes if an int is given.
+        ValueError for a bad shape or quantization setting (nothing is allocated)."""
+        if page_bytes == "auto":
+            from ..layout import choose_page_bytes, segment_kinds
+            from ..quant.format import PackedFormat
+
+            for name, value in (
+                ("num_heads", num_heads),
+                ("head_dim", head_dim),
+                ("chunk_tokens", chunk_tokens),
+                ("batch_size", batch_size),
+            ):
+                _check_positive_int(name, value)
+            fmt = None
+            if quant is not None and quant.enabled:
+                fmt = PackedFormat(head_dim, num_heads, quant, dtype)
+            kinds = segment_kinds(batch_size, num_heads, head_dim, dtype.itemsize, chunk_tokens, fmt)
+            page_bytes = choose_page_bytes(kinds).page_bytes
+        elif isinstance(page_bytes, str):
+            raise ValueError(f"page_bytes must be 'auto' or an int number of bytes, got {page_bytes!r}")
+        return cls(capacity_bytes=capacity_bytes, page_bytes=page_bytes, device=device)
+
     # ---------------------------------------------------------------- views
     def pages_as(self, dtype: torch.dtype) -> torch.Tensor:
         """The arena as `[num_pages, page_bytes // itemsize]` of `dtype` (a view; no copy). O(1), cached."""
