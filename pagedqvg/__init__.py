@@ -9,6 +9,7 @@ from .cache import PagedCausalKVCache, make_layer_caches
 from .errors import (
     CacheClosedError,
     CacheConfigError,
+    IntegrationError,
     PackingFailedWarning,
     PagedQVGError,
     PageOwnershipError,
@@ -26,6 +27,7 @@ __all__ = [
     "CacheClosedError",
     "CacheConfigError",
     "CausalAttentionKVView",
+    "IntegrationError",
     "PackingFailedWarning",
     "PageOwnershipError",
     "PagedCausalKVCache",

@@ -157,6 +157,9 @@ class PagedCausalKVCache:
     runs the eviction and pack policy (O(segments x runs)).
     """
 
+    #: The class of returned views (fields in `CausalAttentionKVView`'s order); the SGLang integration uses SGLang's.
+    _view_cls: type = CausalAttentionKVView
+
     def __init__(
         self,
         *,
@@ -883,13 +886,23 @@ class PagedCausalKVCache:
         current_chunk_start: int,
         cache_head_start: int | None = None,
         recent_window_tokens: int | None = None,
-        debug_name: str = "paged KV cache",
+        debug_name: str | None = None,
     ) -> CausalAttentionKVView:
         """Write `key`/`value` `[B, n, Hin, D]` at global tokens `[start, start + n)` and return the view.
 
         Follows SEMANTICS.md exactly; raises SequencingError / CacheConfigError / PoolExhaustedError / ValueError
         / TypeError before changing anything.
         """
+        if debug_name is None or debug_name == self.debug_name:
+            return self._update(key, value, current_chunk_start, cache_head_start, recent_window_tokens)
+        own = self.debug_name
+        self.debug_name = f"{debug_name} ({own})"  # every error of this call names the caller's label
+        try:
+            return self._update(key, value, current_chunk_start, cache_head_start, recent_window_tokens)
+        finally:
+            self.debug_name = own
+
+    def _update(self, key, value, current_chunk_start, cache_head_start, recent_window_tokens):
         self._ensure_open("update_and_get_attention_kv")
         n, hin, h0 = self._check_kv(key, value, cache_head_start)
         s = _as_index("current_chunk_start", current_chunk_start, self.debug_name)
@@ -992,7 +1005,7 @@ class PagedCausalKVCache:
         else:
             out = torch.empty(shape, dtype=self.dtype, device=self.device)
         self._build_view(parts, h0, hin, out)
-        return CausalAttentionKVView(out[0], out[1], ls, le, self._L, self._G)
+        return self._view_cls(out[0], out[1], ls, le, self._L, self._G)
 
     # ------------------------------------------------------------ other calls
     def pin_current_chunk(self, num_tokens: int) -> None:

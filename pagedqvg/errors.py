@@ -35,3 +35,8 @@ class PackingFailedWarning(RuntimeWarning):
     """Packing a chunk failed unexpectedly (e.g. the device ran out of memory for PRQ's temporaries) while the pack
     policy ran after a call's write was committed: the chunk stays bf16 (nothing of it changed), the call completes,
     and the policy tries again at the next advance."""
+
+
+class IntegrationError(PagedQVGError, RuntimeError):
+    """A framework integration (e.g. `pagedqvg.integrations.sglang.install`) cannot apply: the framework is not
+    importable, or is not the version whose classes it replaces. Nothing was patched."""

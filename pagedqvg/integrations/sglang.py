@@ -1,0 +1,870 @@
+"""pagedqvg inside SGLang 0.5.23's multimodal_gen: every causal self-attention KV cache SGLang builds becomes a
+`PagedCausalKVCache` over one shared `BlockPool` per device.
+
+Usage (before SGLang builds its pipeline stages)::
+
+    from pagedqvg.integrations import sglang as pagedqvg_sglang
+    pagedqvg_sglang.install(memory_fraction=0.5)   # or budget_bytes=24 << 30, or pool=BlockPool(...)
+
+`install()` replaces SGLang's `CausalSelfAttentionKVCache` and `QVGPackedCausalKVCache` in every SGLang module that
+binds them by `PagedCausalSelfAttentionKVCache` / `PagedQVGPackedCausalKVCache` (same constructor signatures), and
+the stages' `_allocate_causal_kv_cache` by one that builds paged caches without allocating SGLang's dense
+`torch.zeros` buffers. `uninstall()` puts SGLang's own back. `import pagedqvg` never imports SGLang; this module
+imports it only inside `install()`.
+
+Semantics: the dense cache's contract (docs/SEMANTICS.md), bit for bit with quantization off, including the
+cursor forms SGLang keeps (see `PagedCausalSelfAttentionKVCache`). Differences from SGLang's dense class:
+- `k` / `v` are read-only, freshly materialized `[B, cache_size, H, D]` tensors (a debugging view, one copy of the
+  layer per access); writing them (`cache.k = t` or `cache.k[...] = x`) does not reach the cache.
+- Buffers passed to the constructor are read once: their shape, dtype and device define the cache and, when each
+  is uniform (e.g. `torch.zeros`, `torch.full`), that value is what never-written slots and heads read; the
+  caller's buffers are not kept. A non-uniform buffer's content is not adopted (never-written data reads zeros).
+- Differences of `PagedCausalKVCache` itself (README "Where pagedqvg deliberately differs").
+Dtype policy (as the dense cache): `key`/`value` of another floating dtype are cast to the cache dtype on write.
+"""
+
+from __future__ import annotations
+
+import importlib
+import sys
+import threading
+from typing import Any
+
+import torch
+
+from ..allocator import DEFAULT_PAGE_BYTES, PAGE_ALIGN_BYTES, BlockPool
+from ..allocator.pool import available_memory_bytes
+from ..cache import SUPPORTED_DTYPES, PagedCausalKVCache, Segment
+from ..errors import CacheConfigError, IntegrationError
+from ..layout import page_pieces
+from ..quant import QuantConfig
+from ..quant.config import SGLANG_KEYS
+from ..slot_map import SlotMap
+from ..view import CausalAttentionKVView
+
+__all__ = [
+    "PagedCausalSelfAttentionKVCache",
+    "PagedQVGPackedCausalKVCache",
+    "install",
+    "installed",
+    "quant_config_from_sglang",
+    "shared_pool",
+    "uninstall",
+]
+
+#: SGLang 0.5.23 modules: where the cache classes are defined, and the modules that bind or use them.
+KVCACHE_MODULE = "sglang.multimodal_gen.runtime.layers.kvcache.causal_attention_cache"
+QVG_MODULE = "sglang.multimodal_gen.runtime.layers.kvcache.qvg_packed_cache"
+STAGE_MODULE = "sglang.multimodal_gen.runtime.pipelines_core.stages.causal_denoising"
+LINGBOT_STAGE_MODULE = (
+    "sglang.multimodal_gen.runtime.pipelines_core.stages.model_specific_stages.lingbot_world."
+    "lingbot_world_causal_denoising"
+)
+#: Modules install() imports (when importable) so that their bindings are patched too.
+BINDING_MODULES = (
+    "sglang.multimodal_gen.runtime.layers.kvcache",
+    STAGE_MODULE,
+    LINGBOT_STAGE_MODULE,
+    "sglang.multimodal_gen.runtime.models.dits.causal_wanvideo",
+    "sglang.multimodal_gen.runtime.models.dits.lingbot_world",
+    "sglang.multimodal_gen.runtime.models.dits.longlive2",
+)
+_CLASS_NAMES = ("CausalSelfAttentionKVCache", "QVGPackedCausalKVCache")
+
+_lock = threading.RLock()
+# The pool policy of install() and the pools made from it (one per device).
+_config: dict[str, Any] = {"pool": None, "memory_fraction": None, "budget_bytes": None}
+_pools: dict[str, BlockPool] = {}
+# (owner object, attribute, original value) of every patch, in order; empty when not installed.
+_patches: list[tuple[Any, str, Any]] = []
+_originals: dict[str, Any] = {}
+_layer_serial = 0
+
+
+def _device_key(device: torch.device) -> str:
+    if device.type == "cuda" and device.index is None:
+        device = torch.device("cuda", torch.cuda.current_device())
+    return str(device)
+
+
+def shared_pool(device: torch.device | str, *, token_bytes: int = 0) -> BlockPool:
+    """The one `BlockPool` of `device` every integrated cache shares: the pool given to `install()` for its
+    device, else one made at the first cache from `budget_bytes` or `memory_fraction` of the device's free
+    memory (1 MiB pages, or the next 256-byte multiple holding one token of `token_bytes` bytes if larger).
+
+    Raises:
+        CacheConfigError: neither a pool for this device nor a budget or fraction was given to `install()`, or the
+            budget / fraction is below one page.
+    """
+    dev = torch.device(device)
+    key = _device_key(dev)
+    with _lock:
+        pool = _pools.get(key)
+        if pool is not None:
+            return pool
+        given = _config["pool"]
+        if given is not None and _device_key(given.device) == key:
+            _pools[key] = given
+            return given
+        page = max(DEFAULT_PAGE_BYTES, -(-token_bytes // PAGE_ALIGN_BYTES) * PAGE_ALIGN_BYTES)
+        budget, fraction = _config["budget_bytes"], _config["memory_fraction"]
+        if budget is None and fraction is None:
+            have = f"the pool given is on {given.device}" if given is not None else "no pool was given"
+            raise CacheConfigError(
+                f"no BlockPool for device {key}: {have} and neither budget_bytes nor memory_fraction was set; call "
+                f"pagedqvg.integrations.sglang.install(pool=BlockPool(..., device={key!r})) or "
+                f"install(budget_bytes=N) / install(memory_fraction=0.5) before SGLang builds its caches"
+            )
+        if budget is not None:
+            capacity, what = budget, f"budget_bytes={budget}"
+        else:
+            free = available_memory_bytes(dev)
+            capacity, what = int(free * fraction), f"memory_fraction={fraction} of {free} free bytes on {key}"
+        if capacity < page:
+            raise CacheConfigError(
+                f"{what} gives {capacity} bytes, below one page of {page} bytes; raise the budget or the fraction"
+            )
+        pool = BlockPool(capacity_bytes=capacity, page_bytes=page, device=dev)
+        _pools[key] = pool
+        return pool
+
+
+def _next_name(prefix: str) -> str:
+    global _layer_serial
+    with _lock:
+        _layer_serial += 1
+        return f"{prefix}{_layer_serial}"
+
+
+def _sglang_view_cls() -> type:
+    """SGLang's `CausalAttentionKVView` when its module is already imported (never imports it), else pagedqvg's
+    (same fields, same order)."""
+    module = sys.modules.get(KVCACHE_MODULE)
+    view = getattr(module, "CausalAttentionKVView", None) if module is not None else None
+    return view if isinstance(view, type) else CausalAttentionKVView
+
+
+def _uniform_value(t: torch.Tensor) -> float:
+    """The single value of a uniform tensor (every element equal, e.g. zeros / full), else 0.0."""
+    if t.numel() == 0:
+        return 0.0
+    first = t.reshape(-1)[:1] if t.is_contiguous() else t[(0,) * t.dim()].reshape(1)
+    if all(stride == 0 for stride, size in zip(t.stride(), t.shape, strict=True) if size > 1):
+        return float(first.item())  # one element broadcast (expand): uniform without reading the whole shape
+    return float(first.item()) if bool((t == first).all()) else 0.0
+
+
+def _cursor_tensor(name: str, t: object, device: torch.device) -> torch.Tensor:
+    if not isinstance(t, torch.Tensor) or t.numel() != 1 or t.dtype.is_floating_point or t.dtype == torch.bool:
+        got = f"shape {tuple(t.shape)}, dtype {t.dtype}" if isinstance(t, torch.Tensor) else repr(t)
+        raise CacheConfigError(
+            f"{name} must be a 1-element integer tensor (e.g. torch.zeros(1, dtype=torch.long)), got {got}"
+        )
+    if t.device != device:
+        raise CacheConfigError(f"{name} is on {t.device}; the cache is on {device}")
+    return t
+
+
+def _cursor_int(name: str, value: object) -> int | None:
+    if value is None:
+        return None
+    if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+        raise CacheConfigError(f"{name} must be None or an int >= 0, got {value!r}")
+    return value
+
+
+class _SGLangSurface(PagedCausalKVCache):
+    """What both SGLang-compatible classes add to `PagedCausalKVCache`: settable `sink_tokens` /
+    `attention_window_size` / `allow_growth`, `pinned_start` / `pinned_len`, `reset_pinned_sink()`, the read-only
+    materialized `k` / `v`, the dense cache's dtype cast, and fill values for never-written data."""
+
+    _fill: tuple[float, float] = (0.0, 0.0)
+
+    # ---------------------------------------------------------------- settable configuration (validated)
+    @property
+    def sink_tokens(self) -> int:
+        """`S` in tokens; settable (an int >= 0, as the dense dataclass field); takes effect at the next call."""
+        return self._sink
+
+    @sink_tokens.setter
+    def sink_tokens(self, value: int) -> None:
+        if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+            raise CacheConfigError(f"{self.debug_name}: sink_tokens must be an int >= 0, got {value!r}")
+        self._sink = value
+        self._structure_changed()
+
+    @property
+    def attention_window_size(self) -> int:
+        """`W` in slots; settable (an int >= 1; the dense cache's 0 = cache_size applies only at construction)."""
+        return self._W
+
+    @attention_window_size.setter
+    def attention_window_size(self, value: int) -> None:
+        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+            raise CacheConfigError(
+                f"{self.debug_name}: attention_window_size must be an int >= 1 (slots), got {value!r}; "
+                f"cache_size is {self._C}"
+            )
+        self._W = value
+        self._structure_changed()
+
+    @property
+    def allow_growth(self) -> bool:
+        """Whether an advance that does not fit grows `cache_size` (to max(needed, 2 x cache_size)) instead of
+        rolling; settable (a bool)."""
+        return self._grow
+
+    @allow_growth.setter
+    def allow_growth(self, value: bool) -> None:
+        if not isinstance(value, bool):
+            raise CacheConfigError(f"{self.debug_name}: allow_growth must be a bool, got {value!r}")
+        self._grow = value
+
+    @property
+    def pinned_start(self) -> int:
+        """`P`: the slot where the pinned chunk starts, -1 when nothing is pinned (see `pin_current_chunk`)."""
+        return self._P
+
+    @property
+    def pinned_len(self) -> int:
+        """`PL`: the pinned chunk's length in tokens (0 when nothing is pinned)."""
+        return self._PL
+
+    def reset_pinned_sink(self) -> None:
+        """Unpin (`pinned_start = -1`, `pinned_len = 0`); no data moves."""
+        self._ensure_open("reset_pinned_sink")
+        self._P, self._PL = -1, 0
+        self._structure_changed()
+
+    # ---------------------------------------------------------------- the dense buffers, materialized
+    def _materialize(self) -> tuple[torch.Tensor, torch.Tensor]:
+        self._ensure_open("k / v")
+        B, C, H, D = self.batch_size, self._C, self._num_heads, self.head_dim
+        k = torch.empty(B, C, H, D, dtype=self.dtype, device=self.device)
+        v = torch.empty_like(k)
+        L = min(self._L, C)
+        if L:
+            saved = self._last_view_ranges
+            parts, tokens = self._view_plan([(0, L)], 0, H)
+            out = torch.empty(2, B, tokens, H, D, dtype=self.dtype, device=self.device)
+            self._build_view(parts, 0, H, out)
+            self._last_view_ranges = saved
+            k[:, :L].copy_(out[0])
+            v[:, :L].copy_(out[1])
+        k[:, L:].fill_(self._fill[0])
+        v[:, L:].fill_(self._fill[1])
+        return k, v
+
+    @property
+    def k(self) -> torch.Tensor:
+        """A debugging view: the dense cache's K buffer `[B, cache_size, H, D]` as it would read now (slots past
+        the local end and never-written data read the fill value, 0 unless the constructor's buffer was uniform).
+        Materialized on every access (a copy of the whole layer); read-only: assigning it raises AttributeError
+        and writing into the returned tensor does not reach the cache."""
+        return self._materialize()[0]
+
+    @property
+    def v(self) -> torch.Tensor:
+        """The V buffer as `k` describes (materialized on every access, read-only)."""
+        return self._materialize()[1]
+
+    # ---------------------------------------------------------------- calls
+    def update_and_get_attention_kv(
+        self,
+        *,
+        key: torch.Tensor,
+        value: torch.Tensor,
+        current_chunk_start: int,
+        cache_head_start: int | None = None,
+        recent_window_tokens: int | None = None,
+        debug_name: str | None = None,
+    ):
+        """`PagedCausalKVCache.update_and_get_attention_kv`, with the dense cache's dtype policy: `key`/`value` of
+        another floating dtype are cast to the cache dtype (the same rounding as the dense buffer's copy)."""
+        if isinstance(key, torch.Tensor) and key.dtype != self.dtype and key.dtype.is_floating_point:
+            key = key.to(self.dtype)
+        if isinstance(value, torch.Tensor) and value.dtype != self.dtype and value.dtype.is_floating_point:
+            value = value.to(self.dtype)
+        return super().update_and_get_attention_kv(
+            key=key,
+            value=value,
+            current_chunk_start=current_chunk_start,
+            cache_head_start=cache_head_start,
+            recent_window_tokens=recent_window_tokens,
+            debug_name=debug_name,
+        )
+
+    def _zero_tokens(self, entry, lo: int, hi: int) -> None:
+        """Never-written heads of new tokens read the fill value (0 unless the constructor's buffer was uniform)."""
+        super()._zero_tokens(entry, lo, hi)
+        kf, vf = self._fill
+        if kf or vf:
+            for page, a, b in page_pieces(entry.value.pages, self._tpp, lo - entry.start, hi - entry.start):
+                self._tok[page, 0, a:b].fill_(kf)
+                self._tok[page, 1, a:b].fill_(vf)
+
+    def _adopt_cursors(self, g: int, local: int, pin_start: int, pin_len: int) -> None:
+        """Start at global end `g` and local end `local` (construction with non-zero cursors): slots `[0, local)`
+        hold tokens `[g - local, g)`, never written, reading the fill value; they take pool pages like any chunk.
+        Rewrites of those tokens and appends at `g` work as after real writes."""
+        if local > g:
+            raise CacheConfigError(
+                f"{self.debug_name}: local_end_index={local} exceeds global_end_index={g} (valid: 0 <= local <= global)"
+            )
+        if local > self._C:
+            raise CacheConfigError(
+                f"{self.debug_name}: local_end_index={local} exceeds cache_size={self._C} (valid: 0..{self._C})"
+            )
+        if local:
+            seg = Segment(self.pool.alloc(self.layout.pages_for_tokens(local), self.owner))
+            self._index.insert(g - local, g, seg)
+            entry = self._index.find(g - local)
+            assert entry is not None
+            self._zero_tokens(entry, g - local, g)
+            self._map = SlotMap().appended(0, local, g - local)
+        self._G, self._L = g, local
+        if pin_start >= 0 and pin_len > 0:
+            if pin_start + pin_len > local:
+                raise CacheConfigError(
+                    f"{self.debug_name}: pinned_start={pin_start} + pinned_len={pin_len} exceeds local_end_index="
+                    f"{local} (valid: pinned_start + pinned_len <= local end, or pinned_start=-1)"
+                )
+            self._P, self._PL = pin_start, pin_len
+        self._structure_changed()
+        self._report_used()
+
+
+class PagedCausalSelfAttentionKVCache(_SGLangSurface):
+    """SGLang 0.5.23's `CausalSelfAttentionKVCache` (same constructor, fields and methods) over pagedqvg's pool.
+
+    Args (SGLang's dataclass fields, in its order; positional or keyword):
+        k, v: `[batch, cache_size, heads, head_dim]` tensors of one floating dtype on one device. Read once: they
+            define batch, heads, head_dim, dtype and device; a uniform buffer's value is the fill value of
+            never-written data (0 for SGLang's `torch.zeros`). Not kept; `k` / `v` are materialized views.
+        global_end_index, local_end_index: 1-element integer tensors, kept (the same objects) and kept current.
+        global_end_index_int, local_end_index_int: host cursors (None: read from the tensors at the first call).
+            Both forms are kept current as the dense cache does: after the first call the ints are set, and the
+            tensors are written whenever a cursor changes. Non-zero cursors start a cache whose slots
+            `[0, local)` hold tokens `[global - local, global)` that were never written (they read the fill value).
+        cache_size: slots `C`; 0 = `k.shape[1]`.
+        sink_tokens: `S`, tokens kept at the front when the window rolls (settable).
+        attention_window_size: `W` in slots; 0 = cache_size (settable).
+        allow_growth: grow cache_size instead of rolling (settable).
+        global_sink_tokens: `GS`, a sink that never rolls and is not re-pinned.
+        pinned_start, pinned_len: an initial pin (-1, 0: none).
+        pool: keyword-only extension: the `BlockPool`; default: `shared_pool(device)` (see `install`).
+        quant: keyword-only extension: a `QuantConfig` (None: quantization off).
+        name: keyword-only extension: the pool owner label and the prefix of error messages.
+    """
+
+    def __init__(
+        self,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        global_end_index: torch.Tensor,
+        local_end_index: torch.Tensor,
+        global_end_index_int: int | None = None,
+        local_end_index_int: int | None = None,
+        cache_size: int = 0,
+        sink_tokens: int = 0,
+        attention_window_size: int = 0,
+        allow_growth: bool = False,
+        global_sink_tokens: int = 0,
+        pinned_start: int = -1,
+        pinned_len: int = 0,
+        *,
+        pool: BlockPool | None = None,
+        quant: QuantConfig | None = None,
+        name: str | None = None,
+    ) -> None:
+        label = name or _next_name("sglang-layer")
+        for what, t in (("k", k), ("v", v)):
+            if not isinstance(t, torch.Tensor) or t.dim() != 4:
+                got = f"shape {tuple(t.shape)}" if isinstance(t, torch.Tensor) else type(t).__name__
+                raise CacheConfigError(
+                    f"{label}: {what} must be a [batch, cache_size, heads, head_dim] tensor, got {got}"
+                )
+        if v.shape != k.shape or v.dtype != k.dtype or v.device != k.device:
+            raise CacheConfigError(
+                f"{label}: v ({tuple(v.shape)}, {v.dtype}, {v.device}) differs from k ({tuple(k.shape)}, {k.dtype}, "
+                f"{k.device}); they must match"
+            )
+        if k.dtype not in SUPPORTED_DTYPES:
+            raise CacheConfigError(f"{label}: k dtype {k.dtype} is not supported; valid: {SUPPORTED_DTYPES}")
+        batch, slots, heads, head_dim = k.shape
+        g_int = _cursor_int("global_end_index_int", global_end_index_int)
+        l_int = _cursor_int("local_end_index_int", local_end_index_int)
+        g_t = _cursor_tensor("global_end_index", global_end_index, k.device)
+        l_t = _cursor_tensor("local_end_index", local_end_index, k.device)
+        if g_t.untyped_storage().data_ptr() == l_t.untyped_storage().data_ptr():
+            raise CacheConfigError(f"{label}: global_end_index and local_end_index must be two different tensors")
+        for what, value in (("pinned_start", pinned_start), ("pinned_len", pinned_len)):
+            if isinstance(value, bool) or not isinstance(value, int):
+                raise CacheConfigError(f"{label}: {what} must be an int, got {value!r}")
+        if pinned_start < -1 or pinned_len < 0:
+            raise CacheConfigError(
+                f"{label}: pinned_start={pinned_start}, pinned_len={pinned_len} (valid: -1 or a slot; length >= 0)"
+            )
+        if isinstance(cache_size, bool) or not isinstance(cache_size, int) or cache_size < 0:
+            raise CacheConfigError(f"{label}: cache_size must be an int >= 0 (0 = k.shape[1]), got {cache_size!r}")
+        cache_size = cache_size or slots
+        if isinstance(attention_window_size, bool) or not isinstance(attention_window_size, int):
+            raise CacheConfigError(f"{label}: attention_window_size must be an int, got {attention_window_size!r}")
+        if pool is None:
+            pool = shared_pool(k.device, token_bytes=2 * batch * heads * head_dim * k.element_size())
+        if g_int is not None and l_int is not None:
+            g0, l0 = g_int, l_int
+        else:
+            g0, l0 = int(g_t.item()), int(l_t.item())
+        super().__init__(
+            pool=pool,
+            batch_size=batch,
+            cache_size=cache_size,
+            num_heads=heads,
+            head_dim=head_dim,
+            dtype=k.dtype,
+            device=k.device,
+            sink_tokens=sink_tokens,
+            attention_window_size=attention_window_size or None,
+            global_sink_tokens=global_sink_tokens,
+            allow_growth=allow_growth,
+            use_int_indices=False,
+            quant=quant,
+            name=label,
+        )
+        self._view_cls = _sglang_view_cls()
+        self._fill = (_uniform_value(k), _uniform_value(v))
+        self._g_tensor, self._l_tensor = g_t, l_t
+        self.global_end_index_int, self.local_end_index_int = g_int, l_int
+        # Inconsistent cursors (e.g. a local end past cache_size) are kept as given, as the dense dataclass keeps
+        # them; they must be reset (reset_indices) before the cache is used.
+        self._stale: tuple[int, int] | None = None
+        try:
+            if g0 or l0 or pinned_start >= 0:
+                if l0 > cache_size or l0 > g0:
+                    self._stale = (g0, l0)
+                else:
+                    self._adopt_cursors(g0, l0, pinned_start, pinned_len)
+        except BaseException:
+            self.close()
+            raise
+
+    def _check_fresh(self, what: str) -> None:
+        if self._stale is not None:
+            g, local = self._stale
+            raise CacheConfigError(
+                f"{self.debug_name}: {what}: the cache was constructed with global_end_index={g}, local_end_index="
+                f"{local}, which no state of a cache of cache_size={self._C} has (valid: 0 <= local <= "
+                f"min(global, cache_size)); call reset_indices() first"
+            )
+
+    def _update(self, key, value, current_chunk_start, cache_head_start, recent_window_tokens):
+        self._check_fresh("update_and_get_attention_kv")
+        return super()._update(key, value, current_chunk_start, cache_head_start, recent_window_tokens)
+
+    def pin_current_chunk(self, num_tokens: int) -> None:
+        """`PagedCausalKVCache.pin_current_chunk` (pin the last `num_tokens` slots as the sink; scene cut)."""
+        self._check_fresh("pin_current_chunk")
+        super().pin_current_chunk(num_tokens)
+
+    def _materialize(self) -> tuple[torch.Tensor, torch.Tensor]:
+        self._check_fresh("k / v")
+        return super()._materialize()
+
+    def _sync_cursors(self) -> None:
+        """Both cursor forms, as the dense cache: the ints always, the tensors whenever a cursor changed."""
+        if (self.global_end_index_int, self.local_end_index_int) == (self._G, self._L):
+            return
+        self.global_end_index_int, self.local_end_index_int = self._G, self._L
+        self._g_tensor.fill_(self._G)
+        self._l_tensor.fill_(self._L)
+
+    def reset_indices(self) -> None:
+        """Empty the cache as the dense one does: cursors 0 (both forms, the same tensors), unpinned, every page
+        back to the pool; a grown cache_size stays."""
+        self._stale = None
+        super().reset_indices()
+        self._g_tensor.zero_()
+        self._l_tensor.zero_()
+        if self.global_end_index_int is not None:
+            self.global_end_index_int = 0
+        if self.local_end_index_int is not None:
+            self.local_end_index_int = 0
+
+
+_FLAG_OF_FIELD = {field: "--" + key.replace("_", "-") for key, field in SGLANG_KEYS.items()}
+
+
+def quant_config_from_sglang(quant_args: Any, head_dim: int) -> QuantConfig | None:
+    """SGLang's `QVGKVQuantArgs` (or any object with its fields, or a dict of `--kv-cache-quant*` flags) as a
+    `QuantConfig` for heads of `head_dim` channels; None when quantization is off.
+
+    A `block_size` larger than `head_dim` means one scale per token-head, as SGLang's QVG cache accepts it: it
+    maps to `block_size=head_dim`. Other settings pagedqvg cannot pack raise `CacheConfigError` naming the flag.
+    """
+    if isinstance(quant_args, QuantConfig):
+        cfg = quant_args
+    elif quant_args is None:
+        return None
+    else:
+        if isinstance(quant_args, dict):
+            try:
+                cfg = QuantConfig.from_dict(quant_args)
+            except ValueError as exc:
+                raise CacheConfigError(f"quant_args: {exc}") from None
+        else:
+            names = (
+                "bits",
+                "centroids",
+                "block_size",
+                "stages",
+                "kmeans_iters",
+                "asymmetric",
+                "keep_recent_chunks",
+                "sink",
+                "sink_keep_chunks",
+            )
+            missing = [n for n in names if not hasattr(quant_args, n)]
+            if missing:
+                raise CacheConfigError(
+                    f"quant_args ({type(quant_args).__name__}) lacks {missing}; pass SGLang's QVGKVQuantArgs, a "
+                    f"pagedqvg.QuantConfig or a dict of --kv-cache-quant* flags"
+                )
+            values = {n: getattr(quant_args, n) for n in names}
+            for n in ("asymmetric", "sink"):
+                if isinstance(values[n], int) and values[n] in (0, 1):
+                    values[n] = bool(values[n])
+            try:
+                cfg = QuantConfig(**values)
+            except ValueError as exc:
+                raise CacheConfigError(f"quant_args: {_with_flags(str(exc))}") from None
+    if not cfg.enabled:
+        return None
+    if isinstance(head_dim, int) and cfg.block_size > head_dim > 0:
+        from dataclasses import replace
+
+        cfg = replace(cfg, block_size=head_dim)
+    try:
+        return cfg.validate(head_dim=head_dim)
+    except ValueError as exc:
+        raise CacheConfigError(f"quant_args: {_with_flags(str(exc))}") from None
+
+
+def _with_flags(message: str) -> str:
+    """Name SGLang's flag beside each QuantConfig field a message mentions."""
+    for field, flag in _FLAG_OF_FIELD.items():
+        message = message.replace(f"QuantConfig.{field}=", f"{flag} (QuantConfig.{field})=")
+    if "head_dim=" in message and "bits=" in message:
+        message += f" ({_FLAG_OF_FIELD['bits']} picks bits)"
+    return message
+
+
+class PagedQVGPackedCausalKVCache(_SGLangSurface):
+    """SGLang 0.5.23's `QVGPackedCausalKVCache` (same keyword-only constructor) over pagedqvg's pool: PRQ packing
+    in pool pages with the dense cache's exact contract, where SGLang's class supports only the LingBot path.
+
+    Args (SGLang's): batch_size, cache_size (slots), num_heads, head_dim, dtype, device, global_end_index and
+        local_end_index (1-element int64 tensors starting at 0; with `use_int_indices` only the host ints
+        `global_end_index_int` / `local_end_index_int` are written, else only the tensors — as SGLang's class),
+        use_int_indices, sink_tokens, attention_window_size (None or 0: cache_size), quant_args (SGLang's
+        `QVGKVQuantArgs`; see `quant_config_from_sglang`).
+    Keyword-only extensions (SGLang's class refuses these features): global_sink_tokens, allow_growth, and
+        pin_current_chunk works; pool (default `shared_pool(device)`), name.
+    """
+
+    def __init__(
+        self,
+        *,
+        batch_size: int,
+        cache_size: int,
+        num_heads: int,
+        head_dim: int,
+        dtype: torch.dtype,
+        device: torch.device | str,
+        global_end_index: torch.Tensor,
+        local_end_index: torch.Tensor,
+        use_int_indices: bool = False,
+        sink_tokens: int = 0,
+        attention_window_size: int | None = None,
+        quant_args: Any,
+        global_sink_tokens: int = 0,
+        allow_growth: bool = False,
+        pool: BlockPool | None = None,
+        name: str | None = None,
+    ) -> None:
+        label = name or _next_name("sglang-qvg-layer")
+        quant = quant_config_from_sglang(quant_args, head_dim)
+        if pool is None:
+            try:
+                dev = torch.device(device)
+            except (RuntimeError, TypeError):
+                raise CacheConfigError(f"{label}: unknown device {device!r}") from None
+            token = 0
+            if isinstance(dtype, torch.dtype) and all(isinstance(x, int) for x in (batch_size, num_heads, head_dim)):
+                token = 2 * batch_size * num_heads * head_dim * torch.empty(0, dtype=dtype).element_size()
+            pool = shared_pool(dev, token_bytes=token)
+        if attention_window_size == 0:
+            attention_window_size = None
+        super().__init__(
+            pool=pool,
+            batch_size=batch_size,
+            cache_size=cache_size,
+            num_heads=num_heads,
+            head_dim=head_dim,
+            dtype=dtype,
+            device=device,
+            sink_tokens=sink_tokens,
+            attention_window_size=attention_window_size,
+            global_sink_tokens=global_sink_tokens,
+            allow_growth=allow_growth,
+            use_int_indices=use_int_indices,
+            global_end_index=global_end_index,
+            local_end_index=local_end_index,
+            quant=quant,
+            name=label,
+        )
+        self._view_cls = _sglang_view_cls()
+        self.q = quant_args
+
+    @property
+    def num_heads(self) -> int:
+        """Cache heads (SGLang's QVG attribute name; `num_cache_heads` is the same)."""
+        return self._num_heads
+
+    def reset_indices(self) -> None:
+        """Empty the cache (every page back to the pool); cursors 0 in both forms, as SGLang's QVG cache."""
+        super().reset_indices()
+        self._g_tensor.zero_()
+        self._l_tensor.zero_()
+
+
+# ------------------------------------------------------------------------------------------------ install
+def _paged_allocate(original):
+    """The stages' `_allocate_causal_kv_cache` building paged caches (no dense buffers): SGLang's arguments, the
+    stage's `_kv_quant_args` when it has them (LingBot: quantization on builds `PagedQVGPackedCausalKVCache`, with
+    global sink and growth, which SGLang's QVG path refuses)."""
+
+    def _allocate_causal_kv_cache(
+        self,
+        *,
+        batch_size: int,
+        kv_cache_size: int,
+        num_attention_heads: int,
+        attention_head_dim: int,
+        dtype: torch.dtype,
+        device,
+        use_int_indices: bool = False,
+        sink_tokens: int = 0,
+        global_sink_tokens: int = 0,
+        attention_window_size: int | None = None,
+        allow_growth: bool = False,
+    ) -> list:
+        if attention_window_size is None:
+            attention_window_size = kv_cache_size
+        quant_args = getattr(self, "_kv_quant_args", None)
+        quant_on = quant_args is not None and bool(getattr(quant_args, "enabled", False))
+        blocks = self.num_transformer_blocks
+        if quant_on:
+            return [
+                PagedQVGPackedCausalKVCache(
+                    batch_size=batch_size,
+                    cache_size=kv_cache_size,
+                    num_heads=num_attention_heads,
+                    head_dim=attention_head_dim,
+                    dtype=dtype,
+                    device=device,
+                    use_int_indices=use_int_indices,
+                    global_end_index=torch.zeros(1, dtype=torch.long, device=device),
+                    local_end_index=torch.zeros(1, dtype=torch.long, device=device),
+                    sink_tokens=sink_tokens,
+                    attention_window_size=attention_window_size,
+                    quant_args=quant_args,
+                    global_sink_tokens=global_sink_tokens,
+                    allow_growth=allow_growth,
+                    name=f"block{i}-{_next_name('')}",
+                )
+                for i in range(blocks)
+            ]
+        int_index = 0 if use_int_indices else None
+        # One element stands in for SGLang's [batch, cache_size, heads, head_dim] zeros: only its dtype and device
+        # matter, and the shape comes from expand() (no memory).
+        proto = torch.zeros(1, 1, 1, 1, dtype=dtype, device=device).expand(
+            batch_size, kv_cache_size, num_attention_heads, attention_head_dim
+        )
+        return [
+            PagedCausalSelfAttentionKVCache(
+                k=proto,
+                v=proto,
+                global_end_index=torch.zeros(1, dtype=torch.long, device=device),
+                local_end_index=torch.zeros(1, dtype=torch.long, device=device),
+                global_end_index_int=int_index,
+                local_end_index_int=int_index,
+                cache_size=kv_cache_size,
+                sink_tokens=sink_tokens,
+                global_sink_tokens=global_sink_tokens,
+                attention_window_size=attention_window_size,
+                allow_growth=allow_growth,
+                name=f"block{i}-{_next_name('')}",
+            )
+            for i in range(blocks)
+        ]
+
+    _allocate_causal_kv_cache.__wrapped__ = original  # type: ignore[attr-defined]
+    _allocate_causal_kv_cache.__doc__ = _paged_allocate.__doc__
+    _allocate_causal_kv_cache._pagedqvg = True  # type: ignore[attr-defined]
+    return _allocate_causal_kv_cache
+
+
+def _check_install_args(pool: object, memory_fraction: object, budget_bytes: object) -> None:
+    if pool is not None and not isinstance(pool, BlockPool):
+        raise CacheConfigError(f"pool must be a pagedqvg.BlockPool or None, got {type(pool).__name__}")
+    if memory_fraction is not None and budget_bytes is not None:
+        raise CacheConfigError(
+            f"give memory_fraction ({memory_fraction!r}) or budget_bytes ({budget_bytes!r}), not both"
+        )
+    if memory_fraction is not None and (
+        isinstance(memory_fraction, bool)
+        or not isinstance(memory_fraction, (int, float))
+        or not 0 < memory_fraction <= 1
+    ):
+        raise CacheConfigError(f"memory_fraction must be a number in (0, 1], got {memory_fraction!r}")
+    if budget_bytes is not None and (
+        isinstance(budget_bytes, bool) or not isinstance(budget_bytes, int) or budget_bytes <= 0
+    ):
+        raise CacheConfigError(f"budget_bytes must be an int > 0 (bytes), got {budget_bytes!r}")
+    if pool is None and memory_fraction is None and budget_bytes is None:
+        raise CacheConfigError(
+            "install() needs pool=BlockPool(...), budget_bytes=N or memory_fraction=F (0 < F <= 1) for the shared pool"
+        )
+
+
+def _import_sglang() -> dict[str, Any]:
+    """The SGLang modules install() needs (ImportError -> IntegrationError) and the optional binding modules."""
+    modules: dict[str, Any] = {}
+    for name in (KVCACHE_MODULE, QVG_MODULE, STAGE_MODULE):
+        try:
+            modules[name] = importlib.import_module(name)
+        except ImportError as exc:
+            raise IntegrationError(
+                f"SGLang's multimodal_gen is not importable ({name}: {exc}); install sglang==0.5.23 "
+                f"(pip install 'sglang[diffusion]==0.5.23') to use pagedqvg.integrations.sglang"
+            ) from exc
+    for cls_module, cls_name in ((KVCACHE_MODULE, _CLASS_NAMES[0]), (QVG_MODULE, _CLASS_NAMES[1])):
+        if not isinstance(getattr(modules[cls_module], cls_name, None), type):
+            raise IntegrationError(f"{cls_module} has no class {cls_name}: not SGLang 0.5.23's layout")
+    for name in BINDING_MODULES:
+        try:
+            modules[name] = importlib.import_module(name)
+        except ImportError:  # a model module whose own dependencies are missing: it cannot build caches either
+            continue
+    return modules
+
+
+def _patch(owner: Any, attr: str, new: Any, label: str, done: list[str]) -> None:
+    _patches.append((owner, attr, owner.__dict__[attr] if isinstance(owner, type) else getattr(owner, attr)))
+    setattr(owner, attr, new)
+    done.append(label)
+
+
+def _patch_bindings(done: list[str]) -> None:
+    """Bind our classes wherever a loaded SGLang module binds SGLang's originals (modules imported since the
+    last call included)."""
+    ours = {
+        _CLASS_NAMES[0]: PagedCausalSelfAttentionKVCache,
+        _CLASS_NAMES[1]: PagedQVGPackedCausalKVCache,
+    }
+    for mod_name, module in sorted(sys.modules.items()):
+        if not mod_name.startswith("sglang.") or module is None:
+            continue
+        for attr, value in list(vars(module).items()):
+            for cls_name, cls in ours.items():
+                if value is _originals.get(cls_name) and value is not cls:
+                    _patch(module, attr, cls, f"{mod_name}.{attr}", done)
+
+
+def install(
+    *,
+    pool: BlockPool | None = None,
+    memory_fraction: float | None = None,
+    budget_bytes: int | None = None,
+) -> list[str]:
+    """Make SGLang build pagedqvg caches wherever it builds `CausalSelfAttentionKVCache` or
+    `QVGPackedCausalKVCache`; every cache of a device shares one `BlockPool`.
+
+    Args:
+        pool: the `BlockPool` of its device (e.g. `BlockPool(capacity_bytes=24 << 30, device="cuda")`).
+        memory_fraction: for devices without a given pool: size the pool, at the first cache, to this fraction
+            (0, 1] of the device's free memory then.
+        budget_bytes: instead of `memory_fraction`: the pool's size in bytes.
+        At least one is required; `memory_fraction` and `budget_bytes` exclude each other.
+
+    Returns:
+        What was patched, as `module.attribute` strings (both classes in every SGLang module that binds them, and
+        the stages' `_allocate_causal_kv_cache`). Idempotent: a second call patches only modules imported since
+        (their names are added) and returns the whole list; the pool arguments of a second call replace the
+        first's for devices that have no pool yet.
+
+    Raises:
+        CacheConfigError: bad arguments (nothing changes).
+        IntegrationError: SGLang 0.5.23's multimodal_gen is not importable (nothing is patched).
+    """
+    _check_install_args(pool, memory_fraction, budget_bytes)
+    with _lock:
+        modules = _import_sglang()
+        done: list[str] = []
+        if not _patches:
+            _originals[_CLASS_NAMES[0]] = getattr(modules[KVCACHE_MODULE], _CLASS_NAMES[0])
+            _originals[_CLASS_NAMES[1]] = getattr(modules[QVG_MODULE], _CLASS_NAMES[1])
+            stage_classes = [getattr(modules[STAGE_MODULE], "CausalDMDDenoisingStage", None)]
+            lingbot = modules.get(LINGBOT_STAGE_MODULE)
+            if lingbot is not None:
+                stage_classes.append(getattr(lingbot, "LingBotWorldCausalDMDDenoisingStage", None))
+            for cls in stage_classes:
+                if isinstance(cls, type) and "_allocate_causal_kv_cache" in cls.__dict__:
+                    original = cls.__dict__["_allocate_causal_kv_cache"]
+                    _patch(
+                        cls,
+                        "_allocate_causal_kv_cache",
+                        _paged_allocate(original),
+                        f"{cls.__module__}.{cls.__qualname__}._allocate_causal_kv_cache",
+                        done,
+                    )
+        _patch_bindings(done)
+        _config.update(pool=pool, memory_fraction=memory_fraction, budget_bytes=budget_bytes)
+        return installed()
+
+
+def installed() -> list[str]:
+    """What `install()` has patched (`module.attribute` strings, in patch order); empty when not installed."""
+    with _lock:
+        out = []
+        for owner, attr, _ in _patches:
+            prefix = f"{owner.__module__}.{owner.__qualname__}" if isinstance(owner, type) else owner.__name__
+            out.append(f"{prefix}.{attr}")
+        return out
+
+
+def uninstall() -> list[str]:
+    """Undo `install()`: SGLang's classes and allocation back everywhere they were patched (and in SGLang
+    modules imported since that bound pagedqvg's classes). Caches already built keep working and keep their
+    pool; new ones are SGLang's. Forgets the pool policy and the shared pools. Returns what was restored."""
+    with _lock:
+        restored = installed()
+        for owner, attr, original in reversed(_patches):
+            setattr(owner, attr, original)
+        back = {
+            PagedCausalSelfAttentionKVCache: _originals.get(_CLASS_NAMES[0]),
+            PagedQVGPackedCausalKVCache: _originals.get(_CLASS_NAMES[1]),
+        }
+        for mod_name, module in list(sys.modules.items()):
+            if not mod_name.startswith("sglang.") or module is None:
+                continue
+            for attr, value in list(vars(module).items()):
+                if isinstance(value, type) and value in back and back[value] is not None:
+                    setattr(module, attr, back[value])
+                    restored.append(f"{mod_name}.{attr}")
+        _patches.clear()
+        _originals.clear()
+        _pools.clear()
+        _config.update(pool=None, memory_fraction=None, budget_bytes=None)
+        return restored
