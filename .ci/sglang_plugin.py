@@ -23,9 +23,39 @@ import types
 
 # Top-level packages replaced by placeholders when missing (found by importing the three test files' imports).
 STUBBED = frozenset(
-    "IPython PIL addict cache_dit compressed_tensors diffusers dill einops gguf huggingface_hub imageio msgspec "
-    "openai orjson partial_json_parser psutil pybase64 pydantic pydantic_core regex requests safetensors scipy "
-    "sentencepiece starlette torchvision tqdm transformers tvm_ffi yaml zmq".split()
+    [
+        "IPython",
+        "PIL",
+        "addict",
+        "cache_dit",
+        "compressed_tensors",
+        "diffusers",
+        "dill",
+        "einops",
+        "gguf",
+        "huggingface_hub",
+        "imageio",
+        "msgspec",
+        "openai",
+        "orjson",
+        "partial_json_parser",
+        "psutil",
+        "pybase64",
+        "pydantic",
+        "pydantic_core",
+        "regex",
+        "requests",
+        "safetensors",
+        "scipy",
+        "sentencepiece",
+        "starlette",
+        "torchvision",
+        "tqdm",
+        "transformers",
+        "tvm_ffi",
+        "yaml",
+        "zmq",
+    ]
 )
 stubbed_loaded: list[str] = []
 
@@ -155,6 +185,25 @@ def pytest_report_header(config):
     return ["pagedqvg.integrations.sglang.install() patched:", *("  " + p for p in _patched)]
 
 
+def _paged_caches_built() -> int:
+    from pagedqvg.integrations import sglang as pagedqvg_sglang
+
+    return sum(pool._owner_serial for pool in pagedqvg_sglang._pools.values())
+
+
+def pytest_sessionfinish(session, exitstatus):
+    # Installed but no pagedqvg cache was built: the tests ran on SGLang's own classes; that must not pass.
+    if _patched and session.testscollected and _paged_caches_built() == 0:
+        session.exitstatus = 1
+
+
 def pytest_terminal_summary(terminalreporter):
     tops = sorted({name.split(".")[0] for name in stubbed_loaded})
     terminalreporter.write_line(f"placeholder modules used ({len(tops)}): {' '.join(tops)}")
+    if _patched:
+        terminalreporter.write_line(
+            f"pagedqvg: install() patched {len(_patched)} bindings; {_paged_caches_built()} pagedqvg caches were "
+            f"built in the shared pool(s)"
+        )
+    else:
+        terminalreporter.write_line("pagedqvg: NOT installed (SGLang's own classes)")
