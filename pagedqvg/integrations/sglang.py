@@ -304,17 +304,10 @@ class _SGLangSurface(PagedCausalKVCache):
                 self._tok[page, 1, a:b].fill_(vf)
 
     def _adopt_cursors(self, g: int, local: int, pin_start: int, pin_len: int) -> None:
-        """Start at global end `g` and local end `local` (construction with non-zero cursors): slots `[0, local)`
-        hold tokens `[g - local, g)`, never written, reading the fill value; they take pool pages like any chunk.
-        Rewrites of those tokens and appends at `g` work as after real writes."""
-        if local > g:
-            raise CacheConfigError(
-                f"{self.debug_name}: local_end_index={local} exceeds global_end_index={g} (valid: 0 <= local <= global)"
-            )
-        if local > self._C:
-            raise CacheConfigError(
-                f"{self.debug_name}: local_end_index={local} exceeds cache_size={self._C} (valid: 0..{self._C})"
-            )
+        """Start at global end `g` and local end `local` (construction with non-zero cursors, validated by the
+        caller: 0 <= local <= min(g, cache_size), pin inside [0, local)): slots `[0, local)` hold tokens
+        `[g - local, g)`, never written, reading the fill value; they take pool pages like any chunk. Rewrites of
+        those tokens and appends at `g` work as after real writes. PoolExhaustedError if they do not fit."""
         if local:
             seg = Segment(self.pool.alloc(self.layout.pages_for_tokens(local), self.owner))
             self._index.insert(g - local, g, seg)
@@ -324,11 +317,6 @@ class _SGLangSurface(PagedCausalKVCache):
             self._map = SlotMap().appended(0, local, g - local)
         self._G, self._L = g, local
         if pin_start >= 0 and pin_len > 0:
-            if pin_start + pin_len > local:
-                raise CacheConfigError(
-                    f"{self.debug_name}: pinned_start={pin_start} + pinned_len={pin_len} exceeds local_end_index="
-                    f"{local} (valid: pinned_start + pinned_len <= local end, or pinned_start=-1)"
-                )
             self._P, self._PL = pin_start, pin_len
         self._structure_changed()
         self._report_used()
@@ -416,6 +404,15 @@ class PagedCausalSelfAttentionKVCache(_SGLangSurface):
             g0, l0 = g_int, l_int
         else:
             g0, l0 = int(g_t.item()), int(l_t.item())
+        if not 0 <= l0 <= g0:
+            raise CacheConfigError(
+                f"{label}: cursors global_end_index={g0}, local_end_index={l0} (valid: 0 <= local <= global)"
+            )
+        if pinned_start >= 0 and pinned_len > 0 and pinned_start + pinned_len > l0:
+            raise CacheConfigError(
+                f"{label}: pinned_start={pinned_start} + pinned_len={pinned_len} exceeds local_end_index={l0} "
+                f"(valid: pinned_start + pinned_len <= the local end, or pinned_start=-1)"
+            )
         super().__init__(
             pool=pool,
             batch_size=batch,
@@ -441,7 +438,7 @@ class PagedCausalSelfAttentionKVCache(_SGLangSurface):
         self._stale: tuple[int, int] | None = None
         try:
             if g0 or l0 or pinned_start >= 0:
-                if l0 > cache_size or l0 > g0:
+                if l0 > self._C:
                     self._stale = (g0, l0)
                 else:
                     self._adopt_cursors(g0, l0, pinned_start, pinned_len)
