@@ -342,7 +342,11 @@ def test_quant_args_map_to_quantconfig():
     [
         ({"centroids": 0}, 128, r"--kv-cache-quant-centroids \(QuantConfig.centroids\)=0"),
         ({"bits": 4}, 11, r"head_dim=11 at bits=4.*--kv-cache-quant picks bits"),
-        ({"block_size": 48}, 128, r"block_size=48 does not divide head_dim=128"),
+        (
+            {"block_size": 48},
+            128,
+            r"--kv-cache-quant-block-size \(QuantConfig.block_size\)=48 does not divide head_dim=128",
+        ),
     ],
 )
 def test_quant_args_pagedqvg_cannot_pack_name_the_flag(kw, head_dim, pattern):
