@@ -1,4 +1,4 @@
-"""The per-layer paged causal KV cache: the dense cache's contract (shared/SEMANTICS.md) over pool pages.
+"""The per-layer paged causal KV cache: the dense cache's contract (docs/SEMANTICS.md) over pool pages.
 
 Data path: pool pages ← range index (global token ranges → segments) ← slot map (slots → global tokens) ← this
 cache (sequencing rules, roll, pin, rewind) → kernels (page write, view build) → `CausalAttentionKVView`.
@@ -151,10 +151,54 @@ def view_slot_ranges(
 class PagedCausalKVCache:
     """One layer's causal K/V cache whose bytes live in pages of a shared `BlockPool`.
 
-    A drop-in for SGLang's `CausalSelfAttentionKVCache`: with quantization off every view equals the dense cache's
-    bit for bit. A repeated call (a denoise step rewriting the current chunk) reuses its cached plan: on CPU one copy
-    per page piece of the write and two concatenations for the view; on CUDA one Triton launch each. An advance also
-    runs the eviction and pack policy (O(segments x runs)).
+    The contract of SGLang's dense `CausalSelfAttentionKVCache` (written out in docs/SEMANTICS.md): a window of
+    `cache_size` slots over the tokens produced so far, a sink at its front that never rolls, and a view per call.
+    With quantization off every view equals the dense cache's bit for bit. A repeated call (a denoise step
+    rewriting the current chunk) reuses its cached plan: on CPU one copy per page piece of the write and two
+    concatenations for the view; on CUDA one Triton launch each. An advance also runs the eviction and pack policy
+    (O(segments x runs)). For SGLang's own constructor signatures use `pagedqvg.integrations.sglang`.
+
+    Args (keyword-only):
+        pool: the `BlockPool` holding this layer's pages (share one pool between all layers of a device).
+        batch_size: batch elements per token (int >= 1).
+        cache_size: slots of the window, in tokens (int >= 1); with `allow_growth` it grows instead of rolling.
+        num_heads: K/V heads the cache holds (int >= 1); a call may write a slice of them (`cache_head_start`).
+        head_dim: channels per head (int >= 1).
+        dtype: torch.float32, torch.float16 or torch.bfloat16; `key` / `value` must have it.
+        device: the pool's device ("cpu" or "cuda[:i]").
+        sink_tokens: tokens at the front of the window that do not roll out (default 0); also the most a scene
+            cut pins (`pin_current_chunk`).
+        attention_window_size: slots a view covers, counted back from the newest token (default None or 0: the
+            whole `cache_size`).
+        global_sink_tokens: the first tokens of the stream, kept for good and prepended to every view once the
+            window has moved past them (default 0); a pin adds to them.
+        allow_growth: when an advance does not fit, grow `cache_size` to max(needed, 2 x cache_size) (and the
+            attention window with it if it was the whole cache) instead of rolling (default False).
+        use_int_indices: keep the cursors as host ints `global_end_index_int` / `local_end_index_int` (no device
+            work per call; the tensors are never written) instead of the tensors (default False).
+        global_end_index, local_end_index: 1-element int64 tensors (starting at 0) to use as the cursors; default:
+            new ones. They must be two different tensors.
+        quant: a `QuantConfig` to pack completed chunks with PRQ (2 or 4 bits); None or bits=None: exact bf16.
+        name: this layer's label: the pool owner's prefix and the first word of every error message
+            (default "layer").
+        reuse_view_buffer: build every view into one per-pool scratch buffer instead of a fresh tensor (no
+            allocation per call); such a view is valid only until the next call on any cache of the pool
+            (default False).
+        pack_under_pressure: with quantization, when an advance does not fit the pool, pack this layer's bf16
+            chunks early (oldest first) if that frees enough pages, instead of raising PoolExhaustedError
+            (default False).
+
+    Attributes:
+        pool, batch_size, head_dim, dtype, device, quant, reuse_view_buffer, pack_under_pressure: as given
+            (`device` is the pool's).
+        debug_name: `name`; owner: this layer's owner id in the pool.
+        layout: the page layout of bf16 rows (`pagedqvg.layout.DenseTokenLayout`).
+        pack_skipped: chunks the pack policy left unpacked (non-finite values, or packing failed).
+        global_end_index_int, local_end_index_int: the host cursors (None unless `use_int_indices`): tokens
+            produced so far, and slots filled.
+
+    Raises:
+        CacheConfigError: a bad argument (naming it and the valid values); nothing is allocated.
     """
 
     #: The class of returned views (fields in `CausalAttentionKVView`'s order); the SGLang integration uses SGLang's.
@@ -285,49 +329,59 @@ class PagedCausalKVCache:
     # ------------------------------------------------------------ read-only state
     @property
     def num_cache_heads(self) -> int:
+        """Heads the cache holds (`num_heads`)."""
         return self._num_heads
 
     @property
     def cache_size(self) -> int:
-        """`C` in slots (grows with allow_growth)."""
+        """Slots of the window, in tokens (grows with `allow_growth`; a grown size survives `reset_indices`)."""
         return self._C
 
     @property
     def attention_window_size(self) -> int:
-        """`W` in slots."""
+        """Slots a view covers, counted back from the newest token (the whole `cache_size` when given as 0/None)."""
         return self._W
 
     @property
     def sink_tokens(self) -> int:
+        """Tokens at the front of the window that do not roll out; the most a scene cut pins."""
         return self._sink
 
     @property
     def global_sink_tokens(self) -> int:
+        """The first tokens of the stream, kept for good and prepended to views once the window moved past them."""
         return self._global_sink
 
     @property
     def global_end_index(self) -> torch.Tensor:
-        """1-element int64 tensor; with use_int_indices=True it is never written (the int is the truth)."""
+        """Tokens produced so far, as a 1-element int64 tensor; with `use_int_indices=True` it is never written
+        (`global_end_index_int` is the truth)."""
         return self._g_tensor
 
     @property
     def local_end_index(self) -> torch.Tensor:
+        """Slots filled so far, as a 1-element int64 tensor (never written with `use_int_indices=True`)."""
         return self._l_tensor
 
     @property
     def pinned_range(self) -> tuple[int, int]:
-        """`(P, PL)`: the pinned slot start (-1 if none) and its length in tokens."""
+        """`(slot where the pinned chunk starts, its length in tokens)`; `(-1, 0)` when nothing is pinned."""
         return self._P, self._PL
 
     @property
     def closed(self) -> bool:
+        """True after `close()`: the pages are back in the pool and every call raises CacheClosedError."""
         return self._closed
 
     def effective_sink_tokens(self) -> int:
-        """`E`: slots `[0, E)` never roll."""
+        """The number of front slots that never roll now: max(sink_tokens, global_sink_tokens) when nothing is
+        pinned; with a pin, global_sink_tokens plus the pinned length once the pin sits right after the global sink,
+        else global_sink_tokens (docs/SEMANTICS.md, "Effective sink")."""
         return effective_sink(self._sink, self._global_sink, self._P, self._PL)
 
     def can_direct_current_attention(self, num_tokens: int) -> bool:
+        """Whether a chunk of `num_tokens` may attend to itself without the cache (no sink, and the cache and the
+        attention window are exactly that chunk), as SGLang's models ask before calling the cache."""
         return self._sink == 0 and num_tokens == self._C and num_tokens == self._W
 
     def resident_nbytes(self) -> int:
@@ -342,7 +396,7 @@ class PagedCausalKVCache:
         """Where the rows of the last returned view came from, in order: `(global_start, global_end, kind)` with
         kind "dense" (exact rows), "packed" (dequantized), "unpacked" (dense rows of a chunk that was packed and
         then partly rewritten: the rows the rewrite did not touch carry the quantization error), and
-        `(-1, m - 1, "zeros")` for `m` slots the cache never filled. Valid until the cache changes.
+        `(-1, count - 1, "zeros")` for `count` slots the cache never filled. Valid until the cache changes.
         O(runs + segments)."""
         out: list[tuple[int, int, str]] = []
         for a, b in self._last_view_ranges:
@@ -359,6 +413,7 @@ class PagedCausalKVCache:
         return [(e.start, e.end, len(e.value.pages)) for e in self._index]
 
     def __repr__(self) -> str:
+        # G: tokens produced, L: slots filled, C: cache_size, W: attention window, E: effective sink, pin: slot+length
         return (
             f"PagedCausalKVCache({self.debug_name}: G={self._G} L={self._L} C={self._C} W={self._W} "
             f"E={self.effective_sink_tokens()} pin={self._P}+{self._PL}, {len(self._index)} segments, "
@@ -888,10 +943,36 @@ class PagedCausalKVCache:
         recent_window_tokens: int | None = None,
         debug_name: str | None = None,
     ) -> CausalAttentionKVView:
-        """Write `key`/`value` `[B, n, Hin, D]` at global tokens `[start, start + n)` and return the view.
+        """Write one chunk's K/V at its global token positions and return what attention sees (docs/SEMANTICS.md).
 
-        Follows SEMANTICS.md exactly; raises SequencingError / CacheConfigError / PoolExhaustedError / ValueError
-        / TypeError before changing anything.
+        Args:
+            key, value: `[batch, tokens, heads, head_dim]` tensors of the cache dtype on its device; `heads` is
+                `num_heads`, or fewer with `cache_head_start`.
+            current_chunk_start: the global position (in tokens) of the chunk's first token. A chunk that ends
+                past the tokens produced so far is an advance: it appends the new tokens (rolling the window, or
+                growing it, when full). A chunk inside the produced range rewrites those tokens in place (a later
+                denoise step or the clean pass): nothing rolls, nothing is appended, and a repeated identical call
+                reuses the cached plan of the previous one (no planning, one copy per page piece).
+            cache_head_start: the first cache head of `key`'s heads when they are a slice of the cache's (Ulysses
+                or tensor parallelism: rank x local heads); only those heads are written and viewed. Required when
+                `key` has fewer heads than the cache; the other heads of newly appended tokens read as zeros.
+            recent_window_tokens: None: the view is the attention window (with the sink and a pinned chunk
+                prepended once the window moved past them). An int >= 0: the sink, a pinned chunk, at most this
+                many tokens before the chunk, and the chunk itself (0: sink and chunk only).
+            debug_name: a label for this call's error messages (e.g. SGLang's block name); default: `name`.
+
+        Returns:
+            `CausalAttentionKVView(k, v, local_start_index, local_end_index, visible_local_end,
+            visible_global_end)`: `k`, `v` are `[batch, view tokens, heads written, head_dim]`; the indices are the
+            chunk's slots, the slots filled and the tokens produced after the call.
+
+        Raises (before anything changes; cache and pool stay exactly as they were):
+            SequencingError: a gap (the chunk starts after the tokens produced) or a rewrite of tokens no longer in
+                the window; the message lists the valid starts.
+            CacheConfigError: an advance that would roll onto the sink (the chunk is longer than cache_size minus
+                the sink).
+            PoolExhaustedError: the pool cannot hold the new tokens.
+            ValueError, TypeError: bad shapes, dtype, device, heads or negative numbers (naming the values).
         """
         if debug_name is None or debug_name == self.debug_name:
             return self._update(key, value, current_chunk_start, cache_head_start, recent_window_tokens)
@@ -1009,7 +1090,9 @@ class PagedCausalKVCache:
 
     # ------------------------------------------------------------ other calls
     def pin_current_chunk(self, num_tokens: int) -> None:
-        """Pin the last `num_tokens` slots as the sink (scene cut): `P = L - n`, `PL = min(S, n)`; no data moves."""
+        """Pin the last `num_tokens` filled slots as the sink (a scene cut, called after the chunk's clean pass): the
+        pinned chunk starts `num_tokens` slots before the local end and is min(sink_tokens, num_tokens) long. No
+        data moves. `num_tokens <= 0` or `sink_tokens == 0` unpins."""
         self._ensure_open("pin_current_chunk")
         n = _as_index("num_tokens", num_tokens, self.debug_name)
         if self._sink <= 0 or n <= 0:
@@ -1038,10 +1121,12 @@ class PagedCausalKVCache:
         self.pool.set_used_bytes(self.owner, 0)
 
     def rewind_to(self, pos: int) -> None:
-        """Drop every token `>= pos` so the next append starts at `pos`; their pages go back to the pool.
+        """Drop every token at global position `pos` and later, so the next append starts at `pos` (no dense
+        equivalent); their pages go back to the pool, and a pin at or after the new local end is cleared.
 
-        Valid for `pos == G`, for `pos` whose tokens `[pos, G)` all sit in the rolling tail (slots >= E), and for
-        `pos` inside the sink while no roll has happened. Otherwise SequencingError (evicted history cannot return).
+        Valid for `pos` equal to the tokens produced, for `pos` whose later tokens all sit in the rolling tail
+        (after the sink slots), and for `pos` inside the sink while no roll has happened. Otherwise SequencingError
+        naming the reachable positions (evicted history cannot return).
         """
         self._ensure_open("rewind_to")
         pos = _as_index("pos", pos, self.debug_name)

@@ -183,7 +183,8 @@ class _SGLangSurface(PagedCausalKVCache):
     # ---------------------------------------------------------------- settable configuration (validated)
     @property
     def sink_tokens(self) -> int:
-        """`S` in tokens; settable (an int >= 0, as the dense dataclass field); takes effect at the next call."""
+        """Tokens kept at the front when the window rolls; settable (an int >= 0, as the dense dataclass field);
+        takes effect at the next call."""
         return self._sink
 
     @sink_tokens.setter
@@ -195,7 +196,8 @@ class _SGLangSurface(PagedCausalKVCache):
 
     @property
     def attention_window_size(self) -> int:
-        """`W` in slots; settable (an int >= 1; the dense cache's 0 = cache_size applies only at construction)."""
+        """Slots a view covers; settable (an int >= 1; the dense cache's 0 = cache_size applies only at
+        construction)."""
         return self._W
 
     @attention_window_size.setter
@@ -222,12 +224,12 @@ class _SGLangSurface(PagedCausalKVCache):
 
     @property
     def pinned_start(self) -> int:
-        """`P`: the slot where the pinned chunk starts, -1 when nothing is pinned (see `pin_current_chunk`)."""
+        """The slot where the pinned chunk starts, -1 when nothing is pinned (see `pin_current_chunk`)."""
         return self._P
 
     @property
     def pinned_len(self) -> int:
-        """`PL`: the pinned chunk's length in tokens (0 when nothing is pinned)."""
+        """The pinned chunk's length in tokens (0 when nothing is pinned)."""
         return self._PL
 
     def reset_pinned_sink(self) -> None:
@@ -334,11 +336,11 @@ class PagedCausalSelfAttentionKVCache(_SGLangSurface):
             Both forms are kept current as the dense cache does: after the first call the ints are set, and the
             tensors are written whenever a cursor changes. Non-zero cursors start a cache whose slots
             `[0, local)` hold tokens `[global - local, global)` that were never written (they read the fill value).
-        cache_size: slots `C`; 0 = `k.shape[1]`.
-        sink_tokens: `S`, tokens kept at the front when the window rolls (settable).
-        attention_window_size: `W` in slots; 0 = cache_size (settable).
+        cache_size: slots of the window, in tokens; 0 = `k.shape[1]`.
+        sink_tokens: tokens kept at the front when the window rolls (settable).
+        attention_window_size: slots a view covers; 0 = cache_size (settable).
         allow_growth: grow cache_size instead of rolling (settable).
-        global_sink_tokens: `GS`, a sink that never rolls and is not re-pinned.
+        global_sink_tokens: the first tokens of the stream, kept for good (a pin adds to them).
         pinned_start, pinned_len: an initial pin (-1, 0: none).
         pool: keyword-only extension: the `BlockPool`; default: `shared_pool(device)` (see `install`).
         quant: keyword-only extension: a `QuantConfig` (None: quantization off).
