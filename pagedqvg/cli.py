@@ -508,7 +508,8 @@ def resolve_budget(args: argparse.Namespace, w: Workload) -> dict[str, object] |
         name, total, text = get_gpu(args.gpu)
         fraction = args.memory_fraction if args.memory_fraction is not None else DEFAULT_GPU_MEMORY_FRACTION
         lines.append({"label": f"{text} total (--gpu {name})", "bytes": total, "op": ""})
-        weights, wsource = w.weights_bytes, w.weights_source or "--weights"
+        weights = w.weights_bytes
+        wsource = w.weights_source if w.weights_source == "--weights" else f"{w.name} default: {w.weights_source}"
         source = f"--gpu {name}"
     else:
         device = args.device
@@ -526,7 +527,8 @@ def resolve_budget(args: argparse.Namespace, w: Workload) -> dict[str, object] |
         source = f"--memory-fraction {fraction:g} of free memory on {device}"
         name = None
     usable = int(total * fraction)
-    lines.append({"label": f"x {fraction:g} (--memory-fraction)", "bytes": usable, "op": "="})
+    default = ", default with --gpu" if args.memory_fraction is None else ""
+    lines.append({"label": f"x {fraction:g} (--memory-fraction{default})", "bytes": usable, "op": "="})
     per_rank_weights = -(-weights // w.tp)
     tp_text = f" / --tp {w.tp}" if w.tp > 1 else ""
     lines.append({"label": f"weights{tp_text} ({wsource})", "bytes": per_rank_weights, "op": "-"})
@@ -727,7 +729,8 @@ def format_plan(doc: dict[str, object]) -> str:
         ]
         for r in budget["fits"]:
             name = "bf16" if r["mode"] == "off" else r["mode"]
-            fit = f"{r['max_sessions']} session(s) at {g['window_tokens'] / tpf:g} frames"
+            at = f"at {g['window_tokens'] / tpf:g} frames"
+            fit = f"{r['max_sessions']} session(s) {at}" if r["max_sessions"] else f"no session fits {at}"
             if r["max_window_frames"] is None:
                 lines.append(
                     f"    {name:<5} does not fit: even {r['min_window_frames']} frames need "

@@ -38,7 +38,8 @@ Weights (`weights_bytes`, the default of `pagedqvg plan --weights`): an estimate
 GPU, published parameter count x 2 bytes (bf16), from the model cards named in `weights_source`. Not included: the
 text encoder (Wan's umT5-XXL encoder, about 5.7B parameters, often offloaded after encoding the prompt), the VAE
 (Wan-VAE, about 0.13B parameters: small), activations and workspace (`--reserve`). With tensor parallelism the
-weights are split across ranks (`weights / tp`); Ulysses ranks each hold all of them.
+weights are split across ranks (`weights / tp`); Ulysses ranks each hold all of them. LingBot-World is counted as
+one 14B Wan DiT; if a deployment keeps both experts of Wan2.2 A14B resident (27B parameters), pass `--weights 54GB`.
 """
 
 from __future__ import annotations
@@ -134,8 +135,7 @@ PRESETS: dict[str, Workload] = {
         window_frames=18,
         global_sink=True,
         weights_bytes=14_000_000_000 * BF16_BYTES_PER_PARAM,
-        weights_source="Wan 14B DiT, 14B parameters x 2 B (Wan2.1 model card and paper, arXiv:2503.20314); "
-        "with both Wan2.2 A14B experts resident (27B) pass --weights 54GB",
+        weights_source="Wan 14B DiT: 14B parameters x 2 B (Wan2.1 model card; Wan paper arXiv:2503.20314)",
         description="LingBot-World (Wan 14B)",
     ),
     "longlive2": Workload(
