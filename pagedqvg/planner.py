@@ -27,6 +27,12 @@ tests check both against `BlockPool.stats()` of real caches. All layers advance 
 denoise step, so the pool's high-water mark is `max over chunks m of (layers - 1) * max(A[m-1], A[m]) + P[m]`, with
 `A[m]` one layer's pages after chunk `m` and `P[m]` its peak during chunk `m`. Views are built outside the pool, one
 layer at a time: `2 * B * view_tokens * H * D * itemsize` transient bytes.
+
+Deployment: a geometry is one rank's caches (`heads / (ulysses * tp)` heads each) of `sessions` sessions x
+`cache_sets` sets x `layers` layers in one pool; sessions advance in step, their calls interleaved one at a time
+(every call step runs session 0's caches, then session 1's), so the pool is the same formula with more caches
+(`max_sessions`). A workload without `page_bytes` gets each quantization setting's page size from
+`layout.choose_page_bytes` over the segment kinds that setting stores (`Geometry.page_choice`).
 """
 
 from __future__ import annotations

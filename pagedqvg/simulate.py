@@ -2,7 +2,8 @@
 
 Two engines produce the same per-call timeline (`TIMELINE_FIELDS`):
 
-- `run_caches`: a real `BlockPool` sized by the plan and `layers * cache_sets` `PagedCausalKVCache`s, fed with
+- `run_caches`: a real `BlockPool` sized by the plan and `sessions * cache_sets * layers` `PagedCausalKVCache`s of
+  one rank (`heads / (ulysses * tp)` heads each), fed with
   `pagedqvg.synthetic.video_kv` chunks in the callers' order (see `planner.call_pattern`); figures come from
   `BlockPool.stats()` after every call.
 - `run_accounting` (`--dry-run`): the pure-Python replay of the planner (`planner.LayerReplay`), at any size, without
