@@ -10,6 +10,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
+import os
 import re
 import sys
 from pathlib import Path
@@ -911,6 +912,9 @@ def main(argv: list[str] | None = None) -> int:
     except ValueError as exc:  # UsageError, CacheConfigError, QuantConfig and geometry checks
         _fail(speak_flags(str(exc)))
         return 2
+    except BrokenPipeError:  # `pagedqvg plan | head`: the reader left; no traceback
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return 1
 
 
 if __name__ == "__main__":

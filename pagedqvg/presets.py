@@ -229,6 +229,8 @@ def shape_text(w: Workload) -> str:
         sink += f", {w.global_sink_tokens}-token global sink"
     elif w.global_sink and (w.sink_tokens or w.sink_frames):
         sink = sink.replace("sink", "global sink")
+    if not (w.sink_tokens if w.sink_tokens is not None else w.sink_frames) and not w.global_sink_tokens:
+        sink = "no sink"
     if w.scene_cut_every:
         sink += f" re-pinned every {w.scene_cut_every} chunks"
     window = (

@@ -177,6 +177,8 @@ def test_plan_header_reflects_overrides(capsys) -> None:
                     "--chunk-frames", "6")
     assert out.splitlines()[0].endswith("6-frame chunks, 6-frame global sink, 24-frame window")
     assert "3-frame" not in out.splitlines()[0]
+    _, out, _ = run(capsys, "plan", "--preset", "lingbot-world", "--sink-frames", "0")
+    assert out.splitlines()[0].endswith("3-frame chunks, no sink, 18-frame window")
 
 
 def test_plan_gpu_budget_arithmetic(capsys) -> None:
@@ -304,6 +306,30 @@ def test_bad_input_error_texts(capsys) -> None:
     assert "window smaller than a chunk" in err
     _, _, err = run(capsys, "plan", "--preset", "nope")
     assert "invalid choice" in err and "lingbot-world" in err
+
+
+def test_reader_that_leaves_early_gets_no_traceback(monkeypatch, tmp_path: Path) -> None:
+    """`pagedqvg plan | head -1`: the pipe closes under print(); exit status 1, nothing raised."""
+
+    class ClosedPipe:
+        def __init__(self) -> None:
+            self.file = open(tmp_path / "out", "w")  # noqa: SIM115 (a real fd for os.dup2)
+
+        def write(self, text: str) -> int:
+            raise BrokenPipeError(32, "Broken pipe")
+
+        def flush(self) -> None:
+            pass
+
+        def fileno(self) -> int:
+            return self.file.fileno()
+
+    pipe = ClosedPipe()
+    monkeypatch.setattr(sys, "stdout", pipe)
+    try:
+        assert main(["plan", "--preset", "self-forcing-mini"]) == 1
+    finally:
+        pipe.file.close()
 
 
 def test_console_script_exit_status() -> None:
