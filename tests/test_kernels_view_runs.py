@@ -25,6 +25,7 @@ import torch
 from triton_env import (  # sets TRITON_INTERPRET
     bits,
     compiled_mode_json,
+    contract_checked_kmeans,
     kernel_device,
     random_bits,
     rerun_interpreted,
@@ -50,6 +51,8 @@ except Exception as exc:  # pragma: no cover - depends on the install
 
 DEVICE, WHY = kernel_device(TRITON_ERROR, tvr and tvr._view_runs_kernel)
 needs_kernels = pytest.mark.skipif(DEVICE is None, reason=WHY)
+#: Where the tensors live: the kernels' device, or the CPU for the reference-only tests when the kernels cannot run.
+ON = DEVICE if DEVICE is not None else torch.device("cpu")
 DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 
 
@@ -180,7 +183,7 @@ def _id(case):
 def _setup(case, dtype):
     name, cfg, B, H, D, _, _, page_bytes, cap, _ = case
     gen = torch.Generator().manual_seed(zlib.crc32(f"{name}-{dtype}".encode()))
-    arena = Arena(cfg, B, H, D, dtype, page_bytes, gen, DEVICE)
+    arena = Arena(cfg, B, H, D, dtype, page_bytes, gen, ON)
     plan = plan_for(arena)
     table, cb_pages, T = build_view(arena, plan, cap)
     return gen, arena, plan, table, cb_pages, T
@@ -194,7 +197,7 @@ def test_reference_matches_the_established_ops(case, dtype):
     assert cap is None or int(table[:, 3].max()) <= cap
     kinds = set(table[:, 0].tolist())
     assert kinds == ({DENSE, ZERO} if arena.store is None else {DENSE, PACKED, ZERO})
-    ref = random_bits((2, B, T, heads, D), dtype, gen).to(DEVICE)
+    ref = random_bits((2, B, T, heads, D), dtype, gen).to(ON)
     direct = ref.clone()
     view_runs_torch(*arena.sources(cb_pages), table, h0, ref.permute(2, 0, 1, 3, 4), arena.fmt, cap)
     expected_by_parts(arena, plan, h0, direct)
@@ -210,7 +213,7 @@ def test_view_runs_matches_torch(case, dtype):
     gen, arena, _plan, table, cb_pages, T = _setup(case, dtype)
     arena_bits = arena.pool.arena.clone()
     # Two rows more than the view and one more head: what no run covers must stay as it was.
-    big = random_bits((2, B, T + 2, heads + 1, D), dtype, gen).to(DEVICE)
+    big = random_bits((2, B, T + 2, heads + 1, D), dtype, gen).to(ON)
     ref = big.clone()
     view_runs_torch(*arena.sources(cb_pages), table, h0, ref[:, :, 1 : T + 1, :heads].permute(2, 0, 1, 3, 4),
                     arena.fmt, cap)  # fmt: skip
@@ -227,7 +230,7 @@ def test_view_runs_strided_out_and_no_max_run(dtype):
     """`out_t` with no unit or contiguous stride; max_run=None (the launch covers T rows per run)."""
     case = ("strided", Q_INT4_2ST, 2, 3, 16, 0, 3, 1024, None, None)
     gen, arena, _plan, table, cb_pages, T = _setup(case, dtype)
-    big = random_bits((T, 5, 2 * 2, 3 + 1, 2 * 16), dtype, gen).to(DEVICE)
+    big = random_bits((T, 5, 2 * 2, 3 + 1, 2 * 16), dtype, gen).to(ON)
     expect = big.clone()
     view_runs_torch(*arena.sources(cb_pages), table, 0, expect[:, 1:5:2, ::2, 1:, ::2], arena.fmt)
     tvr.view_runs_triton(*arena.sources(cb_pages), table, 0, big[:, 1:5:2, ::2, 1:, ::2], arena.fmt)
@@ -276,7 +279,7 @@ def test_bad_tables_raise_naming_the_run(monkeypatch, backend):
     monkeypatch.setenv("PAGEDQVG_KERNEL_CHECKS", "1")
     case = ("bad", Q_INT2, 1, 2, 16, 0, 2, 1024, 2, None)
     _gen, arena, _plan, table, cb_pages, T = _setup(case, torch.bfloat16)
-    out_t = torch.zeros(T, 2, 1, 2, 16, dtype=torch.bfloat16, device=DEVICE)
+    out_t = torch.zeros(T, 2, 1, 2, 16, dtype=torch.bfloat16, device=ON)
     for what, mutate, exc, pattern in _bad_table_cases(arena, table, T):
         bad = table.clone()
         mutate(bad)
@@ -301,7 +304,7 @@ def test_bad_arguments_raise_typed_errors(fn):
     case = ("args", Q_INT2, 1, 2, 16, 0, 2, 1024, 2, None)
     _gen, arena, _plan, table, cb_pages, T = _setup(case, torch.bfloat16)
     src = arena.sources(cb_pages)
-    out_t = torch.zeros(T, 2, 1, 2, 16, dtype=torch.bfloat16, device=DEVICE)
+    out_t = torch.zeros(T, 2, 1, 2, 16, dtype=torch.bfloat16, device=ON)
     with pytest.raises(ValueError, match=r"runs must be int64 \[P, 6\], got torch.int32"):
         run(*src, table.int(), 0, out_t, arena.fmt)
     with pytest.raises(ValueError, match=r"runs must be int64 \[P, 6\], got torch.int64 \(\d+, 5\)"):
@@ -320,7 +323,7 @@ def test_bad_arguments_raise_typed_errors(fn):
         run(*src, table, 0, out_t, None)
     rpp = arena.rows.shape[1]
     with pytest.raises(ValueError, match=rf"rows_per_page {rpp} is not a multiple of 2 \* batch = 6"):
-        run(*src, table, 0, torch.zeros(T, 2, 3, 2, 16, dtype=torch.bfloat16, device=DEVICE), arena.fmt)
+        run(*src, table, 0, torch.zeros(T, 2, 3, 2, 16, dtype=torch.bfloat16, device=ON), arena.fmt)
     # Empty table or empty view: nothing written, no error.
     run(*src, table[:0], 0, out_t, arena.fmt)
     run(*src, table[:0], 0, out_t[:0], arena.fmt)
@@ -331,7 +334,7 @@ def test_torch_backend_dispatch_is_the_reference(monkeypatch):
     monkeypatch.setenv("PAGEDQVG_KERNELS", "torch")
     case = ("dispatch", Q_INT2_ASYM, 2, 2, 16, 1, 1, 1024, 3, None)
     gen, arena, _plan, table, cb_pages, T = _setup(case, torch.float16)
-    a = random_bits((T, 2, 2, 1, 16), torch.float16, gen).to(DEVICE)
+    a = random_bits((T, 2, 2, 1, 16), torch.float16, gen).to(ON)
     b = a.clone()
     dispatch.view_runs(*arena.sources(cb_pages), table, 1, a, arena.fmt, 3)
     view_runs_torch(*arena.sources(cb_pages), table, 1, b, arena.fmt, 3)
@@ -371,29 +374,26 @@ def test_cache_mixed_views_one_launch_identical_to_torch(monkeypatch, dtype, run
     the Triton backend every view is exactly one launch (packed views: the run kernel only, no packed-only
     dequant); a repeated call reuses its plan's run table (no new table, no host->device copy). `run_cap`: runs
     split as on CUDA (at most that many tokens each; None: cut at page ends only, the CPU default). Both caches pack
-    with the torch k-means steps (the Triton ones may resolve a near-tie the other way, and this test is about
-    views: same packed bytes in, same view out)."""
-    from pagedqvg import packing
-    from pagedqvg.kernels.kmeans import kmeans_assign_torch, kmeans_update_torch
-
-    monkeypatch.setattr(packing, "kmeans_assign", kmeans_assign_torch)
-    monkeypatch.setattr(packing, "kmeans_update", kmeans_update_torch)
+    with the torch k-means results (the Triton steps run too and are checked against their contract: they may
+    resolve a near-tie the other way, depending on the machine's BLAS, and this test is about views: same packed
+    bytes in, same view out)."""
+    checked = contract_checked_kmeans(monkeypatch)
     quant = QuantConfig(bits=2, centroids=4, block_size=8, keep_recent_chunks=0, stages=2)
     steps = ((0, None), (3, 1), (6, None), (6, None), (9, 1), (12, None), (12, None), (15, 1), (18, None))
     results = {}
     calls = _count_launches(monkeypatch)
     for backend in ("torch", "triton"):
         monkeypatch.setenv("PAGEDQVG_KERNELS", backend)
-        pool = BlockPool(64 * 1024, page_bytes=1024, device=DEVICE)
+        pool = BlockPool(64 * 1024, page_bytes=1024, device=ON)
         cache = PagedCausalKVCache(pool=pool, batch_size=2, cache_size=12, num_heads=3, head_dim=16, dtype=dtype,
-                                   device=DEVICE, sink_tokens=3, quant=quant)  # fmt: skip
+                                   device=ON, sink_tokens=3, quant=quant)  # fmt: skip
         if backend == "triton":
             cache._run_cap = run_cap
         gen = torch.Generator().manual_seed(9)
         views, tables = [], []
         for start, hs in steps:
             before = (len(calls["view_runs"]), calls["view_build"], calls["packed_dequant"])
-            kv = [torch.randn(2, 3, 3 if hs is None else 2, 16, generator=gen).to(dtype).to(DEVICE) for _ in range(2)]
+            kv = [torch.randn(2, 3, 3 if hs is None else 2, 16, generator=gen).to(dtype).to(ON) for _ in range(2)]
             view = cache.update_and_get_attention_kv(key=kv[0], value=kv[1], current_chunk_start=start,
                                                      cache_head_start=hs)  # fmt: skip
             sources = cache.last_view_sources()
@@ -408,6 +408,7 @@ def test_cache_mixed_views_one_launch_identical_to_torch(monkeypatch, dtype, run
                     assert run_cap is None or int(tables[-1][1][:, 3].max()) <= run_cap
         results[backend] = views
     assert any(kind == "packed" for _, _, src in results["torch"] for *_, kind in src)
+    assert checked["assign"] > 0 and checked["update"] > 0
     for (ka, va, sa), (kb, vb, sb) in zip(results["torch"], results["triton"], strict=True):
         assert sa == sb
         assert torch.equal(bits(ka), bits(kb)) and torch.equal(bits(va), bits(vb))
@@ -422,12 +423,12 @@ def test_cache_zero_slots_without_quant_one_launch(monkeypatch):
     results = {}
     for backend in ("torch", "triton"):
         monkeypatch.setenv("PAGEDQVG_KERNELS", backend)
-        pool = BlockPool(32 * 1024, page_bytes=1024, device=DEVICE)
+        pool = BlockPool(32 * 1024, page_bytes=1024, device=ON)
         cache = PagedCausalKVCache(pool=pool, batch_size=1, cache_size=8, num_heads=2, head_dim=16,
-                                   dtype=torch.bfloat16, device=DEVICE, attention_window_size=4,
+                                   dtype=torch.bfloat16, device=ON, attention_window_size=4,
                                    global_sink_tokens=6)  # fmt: skip
         gen = torch.Generator().manual_seed(4)
-        k, v = (random_bits((1, 5, 2, 16), torch.bfloat16, gen).to(DEVICE) for _ in range(2))
+        k, v = (random_bits((1, 5, 2, 16), torch.bfloat16, gen).to(ON) for _ in range(2))
         n_runs = len(calls["view_runs"])
         view = cache.update_and_get_attention_kv(key=k, value=v, current_chunk_start=0)
         assert any(kind == "zeros" for *_, kind in cache.last_view_sources())
@@ -444,13 +445,13 @@ def test_cache_dense_views_of_several_ranges_one_row_index_launch(monkeypatch):
     """Quant off, sink + rolling tail (two slot ranges): one row-index launch (the ranges' indices concatenated)."""
     calls = _count_launches(monkeypatch)
     monkeypatch.setenv("PAGEDQVG_KERNELS", "triton")
-    pool = BlockPool(32 * 1024, page_bytes=1024, device=DEVICE)
+    pool = BlockPool(32 * 1024, page_bytes=1024, device=ON)
     cache = PagedCausalKVCache(pool=pool, batch_size=2, cache_size=8, num_heads=2, head_dim=16, dtype=torch.float16,
-                               device=DEVICE, sink_tokens=2)  # fmt: skip
+                               device=ON, sink_tokens=2)  # fmt: skip
     gen = torch.Generator().manual_seed(6)
     first = None
     for start in (0, 3, 6, 9):
-        k, v = (random_bits((2, 3, 2, 16), torch.float16, gen).to(DEVICE) for _ in range(2))
+        k, v = (random_bits((2, 3, 2, 16), torch.float16, gen).to(ON) for _ in range(2))
         first = (k, v) if first is None else first
         before = calls["view_build"]
         view = cache.update_and_get_attention_kv(key=k, value=v, current_chunk_start=start)
@@ -513,7 +514,8 @@ def test_compiled_mode_one_specialization_per_layer_shape_and_ptx():
         assert entry["ptx"]["ld.v4"] > 0, (name, entry["ptx"])  # dense rows: 16-byte loads
 
 
-@pytest.mark.skipif(DEVICE is not None or TRITON_ERROR is not None, reason="the kernels already run in this process")
+@pytest.mark.skipif(DEVICE is not None or TRITON_ERROR is not None,
+                    reason="the kernels already run in this process" if DEVICE is not None else WHY)
 def test_interpreter_in_subprocess():
     """Fallback when this process imported triton in compiled mode and has no GPU: rerun this file interpreted."""
     rerun_interpreted(__file__)

@@ -4,6 +4,12 @@ Importing this module before anything imports triton sets TRITON_INTERPRET=1 whe
 reads it when it decorates kernels), so the kernels run in Triton's interpreter on CPU tensors. If triton was
 already imported in compiled mode and there is no GPU, `kernel_device` says why the in-process tests skip and
 `rerun_interpreted` runs a test file again in a fresh interpreted process — kernels never pass silently.
+
+Also the k-means contract checks every torch-vs-Triton comparison uses (`check_near_ties`, `check_means`,
+`contract_checked_kmeans`): the two backends sum the same fp32 products in different orders (Triton's interpreter
+uses numpy's BLAS, torch its own; both pick kernels by the CPU's instruction set), so their k-means results are
+compared against the documented contract (kernels/kmeans.py), never bit for bit, unless the data make the arithmetic
+exact.
 """
 
 from __future__ import annotations
@@ -15,6 +21,14 @@ import sys
 from pathlib import Path
 
 import torch
+
+from pagedqvg.kernels.kmeans import (
+    distance_error_bound,
+    exact_means,
+    kmeans_assign_torch,
+    kmeans_update_torch,
+    update_error_bound,
+)
 
 CUDA = torch.cuda.is_available()
 if not CUDA and "triton" not in sys.modules:
@@ -89,3 +103,91 @@ def compiled_mode_json(script: str, *args: str, **env: str) -> dict:
         pytest.skip(f"this Triton version moved the internals the AOT check uses: {proc.stderr[-500:]}")
     assert proc.returncode == 0, proc.stderr[-4000:]
     return json.loads(proc.stdout.split("JSON", 1)[1])
+
+
+# ---------------------------------------------------------------------------------------------- k-means contract
+def distance_margins(x: torch.Tensor, c: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """`(gap, bound)` float64 [H, S]: per token, the exact (fp64) distance of the second-nearest centroid minus the
+    nearest's, and the sum of the two distances' fp32 error bounds (`kmeans.distance_error_bound`). Where
+    `gap > bound`, every fp32 summation order picks the nearest centroid; with K = 1 the gap is +inf."""
+    x64, c64 = x.double(), c.double()
+    d64 = (c64 * c64).sum(-1)[:, None, :] - 2.0 * torch.bmm(x64, c64.transpose(1, 2))  # ||c||^2 - 2 x.c
+    err = distance_error_bound(x, c)
+    if c.shape[1] < 2:
+        inf = torch.full(d64.shape[:2], float("inf"), dtype=torch.float64)
+        return inf, err[..., 0]
+    top2 = d64.topk(2, dim=-1, largest=False)
+    gap = top2.values[..., 1] - top2.values[..., 0]
+    bound = err.gather(2, top2.indices).sum(-1)
+    return gap, bound
+
+
+def check_near_ties(x: torch.Tensor, c: torch.Tensor, ids_a: torch.Tensor, ids_b: torch.Tensor) -> int:
+    """The assignment contract (kernels/kmeans.py) between two results `ids_a`, `ids_b` [H, S] for x [H, S, D] and
+    c [H, K, D]: both pick, for every token, a centroid within twice its fp32 error bound of the nearest (exact fp64
+    distances), and where they differ the two chosen distances lie within the sum of their error bounds. Returns the
+    number of differing ids."""
+    x, c, ids_a, ids_b = x.cpu(), c.cpu(), ids_a.cpu(), ids_b.cpu()
+    x64, c64 = x.double(), c.double()
+    d64 = (c64 * c64).sum(-1)[:, None, :] - 2.0 * torch.bmm(x64, c64.transpose(1, 2))
+    err = distance_error_bound(x, c)
+    da, db = d64.gather(2, ids_a[..., None])[..., 0], d64.gather(2, ids_b[..., None])[..., 0]
+    ea, eb = err.gather(2, ids_a[..., None])[..., 0], err.gather(2, ids_b[..., None])[..., 0]
+    best = d64.min(-1).values
+    assert bool((da - best <= 2 * ea + 1e-300).all()) and bool((db - best <= 2 * eb + 1e-300).all()), (
+        "an id is not a nearest centroid within the fp32 error bound"
+    )
+    diff = ids_a != ids_b
+    assert bool(((da - db).abs() <= ea + eb)[diff].all()), "ids differ beyond a rounding-level near-tie"
+    return int(diff.sum())
+
+
+def check_means(x: torch.Tensor, ids: torch.Tensor, c_old: torch.Tensor, *means: torch.Tensor) -> None:
+    """The update contract: each of `means` [H, K, D] lies within `kmeans.update_error_bound` of the exact (fp64)
+    cluster means, and empty clusters keep `c_old` exactly."""
+    x, ids, c_old = x.cpu(), ids.cpu(), c_old.cpu()
+    exact, bound = exact_means(x, ids, c_old), update_error_bound(x, ids, c_old)
+    empty = torch.ones(c_old.shape[:2], dtype=torch.bool).scatter_(1, ids, False)
+    for m in means:
+        m = m.cpu()
+        assert bool(((m.double() - exact).abs() <= bound).all()), "cluster means beyond the fp32 summation bound"
+        assert torch.equal(m[empty], c_old[empty]), "an empty cluster did not keep its centroid"
+
+
+def contract_checked_kmeans(monkeypatch, target=None) -> dict[str, int]:
+    """Make a torch-vs-Triton comparison of packing independent of the CPU: the k-means steps that `target`
+    (default: `pagedqvg.packing`, the cache's pack path; any object gets `kmeans_assign` / `kmeans_update`
+    attributes) calls become the torch references, and whenever the
+    dispatch would pick Triton for the tensors, the Triton kernel runs too and its result is checked against the
+    contract (`check_near_ties`, `check_means`) on the same inputs. Both runs then carry the same ids and centroids
+    forward, so everything after k-means (residuals, packing, pages, views) must match bit for bit. Returns the
+    counts of checked Triton calls (`{"assign": n, "update": n}`), for the test to assert the kernels ran.
+
+    Why not compare whole k-means runs bit for bit: fp32 sums in another order differ in the last bits (a near-tie
+    may pick the other centroid, a mean may round the other way), and which order each side uses depends on the
+    BLAS and instruction set of the machine (numpy's OpenBLAS in the interpreter, torch's MKL, or the GPU)."""
+    from pagedqvg.kernels import dispatch
+
+    if target is None:
+        from pagedqvg import packing as target
+    counts = {"assign": 0, "update": 0}
+
+    def assign(x, c):
+        ref = kmeans_assign_torch(x.cpu(), c.cpu()).to(x.device)
+        if dispatch.kernel_backend(x.device) == "triton":
+            got = dispatch.kmeans_assign(x, c)
+            check_near_ties(x, c, got, ref)
+            counts["assign"] += 1
+        return ref
+
+    def update(x, ids, c_old):
+        ref = kmeans_update_torch(x.cpu(), ids.cpu(), c_old.cpu()).to(x.device)
+        if dispatch.kernel_backend(x.device) == "triton":
+            got = dispatch.kmeans_update(x, ids, c_old)
+            check_means(x, ids, c_old, got, ref)
+            counts["update"] += 1
+        return ref
+
+    monkeypatch.setattr(target, "kmeans_assign", assign, raising=False)
+    monkeypatch.setattr(target, "kmeans_update", update, raising=False)
+    return counts
