@@ -34,3 +34,13 @@ settings.register_profile(
     suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large],
 )
 settings.load_profile(os.environ.get("PAGEDQVG_FUZZ_PROFILE", "ci"))
+
+
+def pytest_report_header(config) -> list[str]:
+    """The CPU kernels this run uses (float results of BLAS/vectorised code depend on them; see .ci/portability.sh)."""
+    import torch
+
+    forced = [f"{k}={os.environ[k]}" for k in ("ATEN_CPU_CAPABILITY", "MKL_ENABLE_INSTRUCTIONS", "OPENBLAS_CORETYPE")
+              if k in os.environ]  # fmt: skip
+    return [f"pagedqvg: torch {torch.__version__}, CPU capability {torch.backends.cpu.get_cpu_capability()}"
+            + (f" ({', '.join(forced)})" if forced else "")]

@@ -9,7 +9,9 @@ Backend per call, from the device of the tensors and `PAGEDQVG_KERNELS`:
   otherwise the call raises a RuntimeError that says so.
 
 Triton is imported lazily (on the first Triton call), so `import pagedqvg` never imports triton. When `auto` cannot
-import the kernels for CUDA tensors it warns once (with the import error) and uses torch.
+import the kernels for CUDA tensors it warns once (with the import error) and uses torch. Triton is a dependency only
+on Linux x86_64 / aarch64 (where it has wheels); without it every device uses the torch path, and
+`PAGEDQVG_KERNELS=triton` raises a RuntimeError that says to install it.
 
 `PAGEDQVG_KERNEL_CHECKS=1` makes every Triton launch check its row indices on the host first (an IndexError naming
 the bad value, like the torch references raise; costs a device sync per launch — for tests and debugging).
