@@ -134,7 +134,7 @@ class QuantConfig:
 
     # ------------------------------------------------------------------ validation
     def validate(self, head_dim: int | None = None) -> QuantConfig:
-        """Check every field (and, given `head_dim`, that `block_size` divides it); return self.
+        """Check every field (and, given `head_dim` with quantization on, that `block_size` divides it); return self.
 
         Raises:
             ValueError: naming the field, the value and the allowed values.
@@ -164,6 +164,8 @@ class QuantConfig:
             )
         if head_dim is not None:
             _check_int("head_dim", head_dim, lo=1)
+            if not self.enabled:
+                return self  # quantization off: block_size and bits never apply, so every head_dim works
             if head_dim % self.block_size:
                 divisors = [d for d in range(1, head_dim + 1) if head_dim % d == 0]
                 raise ValueError(
