@@ -18,7 +18,9 @@ from pathlib import Path
 from . import __version__
 from .allocator import available_memory_bytes, format_bytes
 from .planner import (
+    COMPACT_BLOCK,
     Geometry,
+    compact_quant,
     max_sessions,
     max_window_frames,
     min_window_frames,
@@ -37,6 +39,7 @@ from .presets import (
     Workload,
     get_gpu,
     get_preset,
+    quant_as_dict,
     shape_text,
 )
 from .quant.config import SGLANG_KEYS, QuantConfig
@@ -149,8 +152,10 @@ def _fraction(text: str) -> float:
 _QUANT_FLAGS: tuple[tuple[str, str, dict], ...] = (
     (
         "--kv-cache-quant",
-        "quantization of completed chunks: off, int4 or int2 (default off)",
-        {"choices": ("off", "int4", "int2")},
+        "quantization of completed chunks: off, int4 or int2 (SGLang's), or compact: trit-packed symmetric int2, "
+        "one fitted fp8 scale per 128 channels (per token-head when --head-dim is below 128), fp8 codebooks "
+        "(QuantConfig.compact(); the preset's keep-recent/sink/sink-keep/seed apply, flags override) (default off)",
+        {"choices": ("off", "int4", "int2", "compact")},
     ),
     ("--kv-cache-quant-centroids", "k-means centroids per (head, stage), 1..256 (default 128)", {}),
     ("--kv-cache-quant-block-size", "channels per fp8 scale; divides head_dim (default 64)", {}),
@@ -163,10 +168,28 @@ _QUANT_FLAGS: tuple[tuple[str, str, dict], ...] = (
     ("--kv-cache-quant-seed", "k-means seed (default 1234)", {}),
     (
         "--kv-cache-quant-pack-trits",
-        "pack symmetric int2 codes 5 per byte (default false)",
+        "pack symmetric int2 codes 5 per byte (default false; true with compact)",
+        {"nargs": "?", "const": "true"},
+    ),
+    (
+        "--kv-cache-quant-fit-scales",
+        "fit each block's fp8 scale to its least squared error, symmetric codes only (default false; true with "
+        "compact)",
+        {"nargs": "?", "const": "true"},
+    ),
+    (
+        "--kv-cache-quant-codebook-fp8",
+        "store codebooks as fp8 e4m3, 1 B per centroid value (default false; true with compact)",
         {"nargs": "?", "const": "true"},
     ),
 )
+#: What `--kv-cache-quant compact` fixes: flag -> (QuantConfig field, compact's value). Typing the opposite is refused.
+_COMPACT_FIXED: dict[str, tuple[str, bool]] = {
+    "--kv-cache-quant-pack-trits": ("pack_trits", True),
+    "--kv-cache-quant-fit-scales": ("fit_scales", True),
+    "--kv-cache-quant-codebook-fp8": ("codebook_fp8", True),
+    "--kv-cache-quant-asymmetric": ("asymmetric", False),
+}
 
 
 def _add_common(p: argparse.ArgumentParser, default_preset: str) -> None:
@@ -382,8 +405,20 @@ def check_combinations(args: argparse.Namespace, typed: set[str]) -> None:
     if getattr(args, "kv_cache_quant", None) == "off" and quant_knobs:
         raise UsageError(
             f"{', '.join(quant_knobs)} has no effect with --kv-cache-quant off; drop it, or choose "
-            "--kv-cache-quant int2 or int4"
+            "--kv-cache-quant int2, int4 or compact"
         )
+    if getattr(args, "kv_cache_quant", None) == "compact":
+        for flag, (name, fixed) in _COMPACT_FIXED.items():
+            text = getattr(args, flag.lstrip("-").replace("-", "_"), None)
+            if text is None:
+                continue
+            value = getattr(QuantConfig.from_dict({flag: text}), name)  # ValueError for a bad boolean
+            if value != fixed:
+                raise UsageError(
+                    f"--kv-cache-quant compact with {flag} {str(value).lower()}: compact is symmetric int2, "
+                    "trit-packed, with fitted scales and fp8 codebooks; drop the flag, or use --kv-cache-quant int2 "
+                    "with the --kv-cache-quant-pack-trits/-fit-scales/-codebook-fp8 flags you want"
+                )
     pairs = (
         ("--sink-tokens", "--sink-frames", "--sink-tokens sets the sink in tokens, --sink-frames in frames"),
         ("--cache-size", "--window-frames", "--cache-size fixes the cache, --window-frames derives it"),
@@ -435,8 +470,22 @@ def workload_from_args(args: argparse.Namespace) -> Workload:
         value = getattr(args, key)
         if value is not None:
             given[SGLANG_KEYS[key]] = value
-    if given:
-        merged = {name: getattr(w.quant, name) for name in QuantConfig.known_keys() if hasattr(w.quant, name)}
+    if given.get("bits") == "compact":
+        # compact's format fields (not the preset's, e.g. its block 64), the preset's policy, then the typed flags
+        del given["bits"]
+        base = compact_quant(w.quant, None if "block_size" in given else w.head_dim)
+        if "block_size" not in given and w.head_dim % base.block_size:
+            divisors = [d for d in range(1, w.head_dim + 1) if w.head_dim % d == 0]
+            raise UsageError(
+                f"--kv-cache-quant compact packs blocks of {base.block_size} channels, which do not divide --head-dim "
+                f"{w.head_dim}; use a --head-dim that is a multiple of {base.block_size} (or below it), or add "
+                f"--kv-cache-quant-block-size with a divisor of {w.head_dim}: {', '.join(map(str, divisors))}"
+            )
+        merged = {f.name: getattr(base, f.name) for f in dataclasses.fields(base)}
+        merged.update(given)
+        w = w.replace(quant=QuantConfig.from_dict(merged))
+    elif given:
+        merged = {f.name: getattr(w.quant, f.name) for f in dataclasses.fields(w.quant)}
         merged.update(given)
         w = w.replace(quant=QuantConfig.from_dict(merged))
     return w
@@ -603,6 +652,7 @@ def build_plan(
     }
     for g, p in zip(geoms, settings, strict=True):
         d = p.as_dict()
+        d["quant"] = quant_as_dict(g.quant)
         d["page_auto"] = g.page_choice is not None
         d["page_waste_by_kind"] = dict(g.page_choice.waste) if g.page_choice is not None else None
         doc["settings"].append(d)  # type: ignore[union-attr]
@@ -705,6 +755,11 @@ def format_plan(doc: dict[str, object]) -> str:
         lines.append("  " + "  ".join(c.ljust(widths[0]) if i == 0 else c.rjust(widths[i]) for i, c in enumerate(r)))
     for item in doc.get("unavailable") or []:
         lines.append(f"  paged {item['mode']}: not possible with this shape: {speak_flags(item['reason'])}")
+    for s in settings:
+        block = s.get("quant", {}).get("block_size")
+        if s["mode"] == "compact" and block is not None and block != COMPACT_BLOCK:
+            why = " (head_dim below 128: one fitted scale per token-head)" if block == w["head_dim"] else ""
+            lines.append(f"  paged compact: blocks of {block} channels per fitted scale{why}")
     view = settings[0]
     lines += [
         "",
@@ -734,13 +789,13 @@ def format_plan(doc: dict[str, object]) -> str:
             fit = f"{r['max_sessions']} session(s) {at}" if r["max_sessions"] else f"no session fits {at}"
             if r["max_window_frames"] is None:
                 lines.append(
-                    f"    {name:<5} does not fit: even {r['min_window_frames']} frames need "
+                    f"    {name:<7} does not fit: even {r['min_window_frames']} frames need "
                     f"{format_bytes(r['min_budget_bytes'])}; {fit}"
                 )
             else:
                 at_least = ">=" if r["search_limited"] else "  "
                 lines.append(
-                    f"    {name:<5} {at_least}{r['max_window_frames']:>6} frames (C = "
+                    f"    {name:<7} {at_least}{r['max_window_frames']:>6} frames (C = "
                     f"{_n(r['cache_size_tokens'])} slots): needs {format_bytes(r['budget_bytes'])} "
                     f"(pool {format_bytes(r['pool_bytes'])}); {fit}"
                     + ("; the search stops there" if r["search_limited"] else "")
@@ -832,7 +887,7 @@ def format_summary(s: dict[str, object]) -> str:
                 "vs dense)"
                 for q in plan_only
             )
-            + "  (rerun with --kv-cache-quant int2 to measure)"
+            + "  (rerun with --kv-cache-quant MODE to measure)"
         )
     outs = s.get("outputs") or {}
     assert isinstance(outs, dict)

@@ -52,8 +52,15 @@ from .quant.config import QuantConfig
 from .quant.format import PackedFormat
 from .slot_map import SlotMap
 
-#: Quantization modes `plan` compares (None = off).
+#: Quantization modes `plan` compares, in table order (`QuantConfig.mode` names; see `mode_quant`).
+PLAN_MODES: tuple[str, ...] = ("off", "int4", "int2", "compact")
+#: Code widths of the reference modes in `PLAN_MODES` (None = off); compact is a format of int2, see `mode_quant`.
 PLAN_BITS: tuple[int | None, ...] = (None, 4, 2)
+#: QuantConfig fields that say *when* chunks are packed (the QVG policy), not *how*: every mode of a plan keeps the
+#: workload's values of these.
+POLICY_FIELDS: tuple[str, ...] = ("keep_recent_chunks", "sink", "sink_keep_chunks", "seed")
+#: Channels per fitted scale of `QuantConfig.compact()` (its `block_size`).
+COMPACT_BLOCK = QuantConfig.compact().block_size
 #: Largest window (frames) the budget search tries.
 MAX_SEARCH_FRAMES = 1 << 20
 #: `plan_geometry` replays caches of up to this many chunks by default (beyond, the closed form: O(1)).
@@ -638,7 +645,7 @@ def closed_form_view_tokens(geom: Geometry) -> int:
 class SettingPlan:
     """Steady-state memory of one quantization setting. Bytes are exact; `all_*` cover every cache in the pool."""
 
-    mode: str  # "off", "int4", "int2"
+    mode: str  # "off", "int4", "int2" or "compact" (`QuantConfig.mode`)
     quant: QuantConfig
     caches: int
     page_bytes: int
@@ -778,25 +785,63 @@ def setting_quant(base: QuantConfig, bits: int | None) -> QuantConfig:
     return dataclasses.replace(base, bits=bits, pack_trits=trits)
 
 
+def policy_fields(cfg: QuantConfig) -> dict[str, object]:
+    """`cfg`'s `POLICY_FIELDS` (when chunks are packed: keep_recent_chunks, sink, sink_keep_chunks, seed)."""
+    return {name: getattr(cfg, name) for name in POLICY_FIELDS}
+
+
+def compact_quant(policy: QuantConfig, head_dim: int | None = None, **overrides: object) -> QuantConfig:
+    """`QuantConfig.compact()` with `policy`'s `POLICY_FIELDS` and then `overrides`.
+
+    With `head_dim` below compact's 128-channel block (the `*-mini` presets' 64), the block is `head_dim`: one fitted
+    scale per token-head, which is what the 128-channel block is at head_dim 128 (and what a block larger than
+    head_dim means in SGLang). A `block_size` in `overrides` is taken as given. ValueError for an invalid result."""
+    fields: dict[str, object] = policy_fields(policy)
+    if head_dim is not None and 0 < head_dim < COMPACT_BLOCK:
+        fields["block_size"] = head_dim
+    fields.update(overrides)
+    return QuantConfig.compact(**fields)
+
+
+def mode_quant(base: QuantConfig, mode: str, head_dim: int | None = None) -> QuantConfig:
+    """The config of plan mode `mode` (one of `PLAN_MODES`) next to a workload whose config is `base`.
+
+    `base` itself when it is that mode. Else: compact is `compact_quant(base, head_dim)` (compact's format, `base`'s
+    policy); off, int4 and int2 are `setting_quant(base, bits)` (`base`'s other knobs kept), except next to a compact
+    `base` (or where keeping `base`'s knobs would turn int2 into compact), where they are the reference formats with
+    `base`'s policy. ValueError for an unknown mode."""
+    if mode == base.mode:
+        return base
+    if mode == "compact":
+        return compact_quant(base, head_dim)
+    bits = {"off": None, "int4": 4, "int2": 2}.get(mode, 0)
+    if bits == 0:
+        raise ValueError(f"unknown plan mode {mode!r}; allowed: {', '.join(PLAN_MODES)}")
+    q = setting_quant(base, bits)
+    if base.mode == "compact" or q.mode != mode:
+        q = QuantConfig(bits=bits, **policy_fields(base))  # type: ignore[arg-type]
+    return q
+
+
 def setting_geometries(w: Workload) -> tuple[list[Geometry], list[tuple[str, str]]]:
-    """Geometries for quantization off, int4 and int2 (the workload's other quant knobs kept), and `(mode, reason)`
-    for the modes that cannot work with this shape (e.g. a block size that does not divide head_dim). The workload's
-    own setting must work (ValueError otherwise)."""
+    """Geometries for quantization off, int4, int2 and compact (`PLAN_MODES`, configs from `mode_quant`: the
+    workload's other quant knobs kept where they apply), and `(mode, reason)` for the modes that cannot work with
+    this shape (e.g. a block size that does not divide head_dim). The workload's own setting must work (ValueError
+    otherwise)."""
     geoms: list[Geometry] = []
     skipped: list[tuple[str, str]] = []
     Geometry.from_workload(w)
-    for bits in PLAN_BITS:
-        q = setting_quant(w.quant, bits)
+    for mode in PLAN_MODES:
         try:
-            geoms.append(Geometry.from_workload(w, q))
+            geoms.append(Geometry.from_workload(w, mode_quant(w.quant, mode, w.head_dim)))
         except ValueError as exc:
-            skipped.append((q.mode, str(exc)))
+            skipped.append((mode, str(exc)))
     return geoms, skipped
 
 
 def plan_settings(w: Workload) -> list[SettingPlan]:
-    """Plans for quantization off, int4 and int2 (the workload's other quant knobs kept; modes that cannot work
-    with this shape are left out, see `setting_geometries`)."""
+    """Plans for quantization off, int4, int2 and compact (see `setting_geometries`; modes that cannot work with
+    this shape are left out)."""
     return [plan_geometry(g) for g in setting_geometries(w)[0]]
 
 

@@ -25,11 +25,13 @@ import torch
 
 from .allocator import BlockPool, available_memory_bytes, format_bytes
 from .planner import (
+    PLAN_MODES,
     Call,
     Geometry,
     LayerReplay,
     PageCounter,
     call_pattern,
+    mode_quant,
     plan_geometry,
     setting_quant,
 )
@@ -409,9 +411,11 @@ def summarize(
         compared, mismatches, first = compare_records(recs, accounting.records)
         summary["accounting"] = {"calls_compared": compared, "mismatches": mismatches, "first_mismatch": first}
     if timeline.quant_mode != geom.quant.mode or not geom.quant.enabled:
-        for bits in (4, 2):
+        for mode in PLAN_MODES:
+            if mode == "off":
+                continue
             try:
-                g = Geometry.from_workload(w, setting_quant(geom.quant, bits))
+                g = Geometry.from_workload(w, mode_quant(geom.quant, mode, w.head_dim))
             except ValueError:
                 continue  # this mode cannot work with the shape (e.g. block size vs head_dim)
             p = plan_geometry(g, replay=True)

@@ -15,18 +15,23 @@ import torch
 from pagedqvg.allocator import BlockPool
 from pagedqvg.layout import AUTO_PAGE_MAX_BYTES, AUTO_PAGE_WASTE, choose_page_bytes, segment_kinds
 from pagedqvg.planner import (
+    PLAN_MODES,
+    POLICY_FIELDS,
     Geometry,
     LayerReplay,
     budget_needed,
     call_pattern,
     closed_form_segments,
+    compact_quant,
     max_sessions,
     max_window_frames,
     min_window_frames,
+    mode_quant,
     plan_geometry,
     plan_settings,
     replay_layer,
     search_limit_frames,
+    setting_geometries,
     setting_quant,
 )
 from pagedqvg.presets import PRESETS, Workload, get_preset
@@ -88,6 +93,11 @@ QUANT_CASES = {
     "int2-sink-off-unaligned": tiny(sink_frames=3, page_bytes=768,
                                     quant=QuantConfig(bits=2, sink=False, keep_recent_chunks=2, **SMALL_QUANT)),
     "int2-pins": tiny(global_sink=False, scene_cut_every=3, chunks=12, quant=QuantConfig(bits=2, **SMALL_QUANT)),
+    # compact's format (trits, fitted scales, fp8 codebooks) at head_dim 16: one scale per token-head
+    "compact-keep1": tiny(quant=QuantConfig.compact(**SMALL_QUANT)),
+    "compact-keep0-sinkkeep1-unaligned": tiny(sink_frames=3, page_bytes=768, quant=QuantConfig.compact(
+        keep_recent_chunks=0, sink_keep_chunks=1, **SMALL_QUANT)),
+    "compact-pins": tiny(global_sink=False, scene_cut_every=3, chunks=12, quant=QuantConfig.compact(**SMALL_QUANT)),
 }
 
 
@@ -179,9 +189,10 @@ def test_lingbot_world_plan_from_the_layout() -> None:
 @pytest.mark.parametrize("name", ["lingbot-world", "longlive2", "self-forcing"])
 def test_presets_plan(name: str) -> None:
     plans = plan_settings(PRESETS[name])
-    assert [p.mode for p in plans] == ["off", "int4", "int2"]
-    off, int4, int2 = plans
-    assert off.bytes >= int4.bytes >= int2.bytes  # each setting has its own auto page size
+    assert [p.mode for p in plans] == ["off", "int4", "int2", "compact"]
+    off, int4, int2, compact = plans
+    assert off.bytes >= int4.bytes >= int2.bytes > compact.bytes  # each setting has its own auto page size
+    assert compact.quant == QuantConfig.compact()  # the preset's policy is the default one
     assert off.bytes >= off.dense_bytes  # whole pages never hold less than the rows
     assert all(p.waste_bytes <= 0.01 * p.bytes for p in plans)  # auto pages: page tails under 1%
     assert all(p.pool_bytes >= p.all_bytes for p in plans)
@@ -267,14 +278,98 @@ def test_segment_formula_text_matches_docstring() -> None:
     assert setting_quant(QuantConfig(pack_trits=True, bits=2), 4).pack_trits is False
 
 
+# ---------------------------------------------------------------------------------------------------- compact mode
+POLICY = dict(keep_recent_chunks=3, sink=False, sink_keep_chunks=2, seed=77)
+
+
+def test_compact_quant_takes_only_the_policy_fields() -> None:
+    """compact next to any config: compact's format fields, the config's policy fields (not e.g. its block 64)."""
+    base = QuantConfig(bits=2, centroids=16, block_size=32, stages=2, kmeans_iters=5, **POLICY)
+    q = compact_quant(base)
+    assert q == QuantConfig.compact(**POLICY) and q.mode == "compact" and q.block_size == 128
+    assert set(POLICY) == set(POLICY_FIELDS)
+    # below 128 channels the block is the head: one fitted scale per token-head; 128 and above keep 128
+    assert compact_quant(base, 64).block_size == 64 and compact_quant(base, 48).block_size == 48
+    assert compact_quant(base, 128).block_size == 128 and compact_quant(base, 256).block_size == 128
+    assert compact_quant(base, 64, block_size=32).block_size == 32  # an explicit block is kept
+    with pytest.raises(ValueError, match="pack_trits"):
+        compact_quant(base, 64, asymmetric=True)
+
+
+def test_mode_quant_per_plan_mode() -> None:
+    """Each plan row's config: the workload's own for its mode; compact from the policy; the reference int4/int2
+    next to compact; off/int4/int2 keep the workload's other knobs otherwise (as before)."""
+    assert PLAN_MODES == ("off", "int4", "int2", "compact")
+    base = QuantConfig(bits=2, centroids=64, **POLICY)
+    assert mode_quant(base, "int2") is base
+    assert mode_quant(base, "int4") == dataclasses.replace(base, bits=4)
+    assert mode_quant(base, "off") == dataclasses.replace(base, bits=None)
+    assert mode_quant(base, "compact", 128) == QuantConfig.compact(**POLICY)
+    compact = QuantConfig.compact(centroids=64, **POLICY)
+    assert mode_quant(compact, "compact") is compact
+    for mode, bits in (("off", None), ("int4", 4), ("int2", 2)):
+        q = mode_quant(compact, mode)
+        assert q == QuantConfig(bits=bits, **POLICY) and q.mode == mode
+    # knobs that would make int2 compact (typed without a mode) do not turn the int2 row into a second compact row
+    knobs = QuantConfig(pack_trits=True, fit_scales=True, codebook_fp8=True, **POLICY)
+    assert mode_quant(knobs, "int2") == QuantConfig(bits=2, **POLICY)
+    assert mode_quant(knobs, "int4") == QuantConfig(bits=4, fit_scales=True, codebook_fp8=True, **POLICY)
+    with pytest.raises(ValueError, match="unknown plan mode 'int3'; allowed: off, int4, int2, compact"):
+        mode_quant(base, "int3")
+
+
+def test_compact_row_and_its_shape_limits() -> None:
+    """Every preset plans a compact row (the minis with blocks of 64); a head_dim that 128 does not divide leaves
+    it out with the reason, and the workload's own compact config is planned as given."""
+    for name, w in PRESETS.items():
+        geoms, skipped = setting_geometries(w)
+        assert [g.quant.mode for g in geoms] == list(PLAN_MODES) and skipped == [], name
+        assert geoms[-1].quant.block_size == min(128, w.head_dim)
+    geoms, skipped = setting_geometries(dataclasses.replace(PRESETS["lingbot-world"], head_dim=192))
+    assert [g.quant.mode for g in geoms] == ["off", "int4", "int2"]
+    assert skipped == [("compact", skipped[0][1])] and "block_size=128 does not divide head_dim=192" in skipped[0][1]
+    own = QuantConfig.compact(block_size=64, keep_recent_chunks=0)
+    geoms, _ = setting_geometries(dataclasses.replace(PRESETS["lingbot-world"], quant=own))
+    assert geoms[-1].quant is own
+    assert [g.quant for g in geoms[1:3]] == [QuantConfig(bits=4, keep_recent_chunks=0),
+                                             QuantConfig(bits=2, keep_recent_chunks=0)]
+
+
+def test_compact_chunk_is_at_least_8x_smaller_in_the_plan() -> None:
+    """Issue 15's target as the planner counts it: one packed 4,680-token LingBot-World chunk (token records and
+    codebooks) vs its bf16 records: 28 B per token-head + a 128 x 128 fp8 codebook per (K/V, head) = 8.13x; in auto
+    pool pages (records plus page tails) still >= 8x."""
+    geom = Geometry.from_workload(dataclasses.replace(PRESETS["lingbot-world"], quant=QuantConfig.compact()))
+    n, heads = geom.chunk_tokens, geom.heads
+    packed, dense = geom.packed_layout(), geom.dense
+    bf16_bytes = dense.used_bytes_for_tokens(n)
+    assert bf16_bytes == 2 * n * heads * 128 * 2
+    packed_bytes = packed.used_bytes_for_tokens(n)
+    assert packed_bytes == 2 * heads * (n * 28 + 128 * 128)
+    assert round(bf16_bytes / packed_bytes, 2) == 8.13
+    plan = plan_geometry(geom)
+    off = plan_geometry(Geometry.from_workload(PRESETS["lingbot-world"]))
+    ratio_in_pages = (off.bf16_segment_pages * off.page_bytes) / (plan.packed_segment_pages * plan.page_bytes)
+    assert ratio_in_pages >= 8.0, ratio_in_pages
+
+
 # ---------------------------------------------------------------------------------------------------- auto pages
 TRITS = QuantConfig(bits=2, pack_trits=True)
-MODES = {"off": None, "int4": QuantConfig(bits=4), "int2": QuantConfig(bits=2), "int2-trits": TRITS}
+MODES = {"off": None, "int4": QuantConfig(bits=4), "int2": QuantConfig(bits=2), "int2-trits": TRITS,
+         "compact": "compact"}
+
+
+def mode_config(mode: str, head_dim: int) -> QuantConfig:
+    """`MODES[mode]` (compact: the plan's compact row config at `head_dim`)."""
+    q = MODES[mode]
+    return compact_quant(QuantConfig(), head_dim) if q == "compact" else (q or QuantConfig())
 
 
 #: Page size alone cannot reach 1% here (test below): a packed chunk's trit token region (768 tokens x 120 B =
-#: 90 KiB) spans under six pages, and no page may be smaller than one codebook row (128 x 64 x 2 B = 16 KiB).
-PAGE_SIZE_CANNOT_REACH = {("lingbot-world-mini", "int2-trits"), ("self-forcing-mini", "int2-trits")}
+#: 90 KiB; compact at head_dim 64: 768 x 30 B = 22.5 KiB) spans only a few pages, and no page may be smaller than
+#: one codebook row (128 x 64 x 2 B = 16 KiB; compact's fp8: 8 KiB).
+PAGE_SIZE_CANNOT_REACH = {("lingbot-world-mini", "int2-trits"), ("self-forcing-mini", "int2-trits"),
+                          ("lingbot-world-mini", "compact"), ("self-forcing-mini", "compact")}
 
 
 @pytest.mark.parametrize("mode", sorted(MODES))
@@ -285,7 +380,7 @@ def test_auto_pages_waste_at_most_one_percent(name: str, mode: str) -> None:
     that no page size can bring there (checked by brute force below)."""
     if (name, mode) in PAGE_SIZE_CANNOT_REACH:
         pytest.skip("no page size reaches 1% (test_page_size_cannot_reach_one_percent_for_tiny_trit_chunks)")
-    w = dataclasses.replace(PRESETS[name], quant=MODES[mode] or QuantConfig())
+    w = dataclasses.replace(PRESETS[name], quant=mode_config(mode, PRESETS[name].head_dim))
     geom = Geometry.from_workload(w)
     assert w.page_bytes is None and geom.page_choice is not None
     plan = plan_geometry(geom)
@@ -295,16 +390,17 @@ def test_auto_pages_waste_at_most_one_percent(name: str, mode: str) -> None:
 
 @pytest.mark.parametrize(("name", "mode"), sorted(PAGE_SIZE_CANNOT_REACH))
 def test_page_size_cannot_reach_one_percent_for_tiny_trit_chunks(name: str, mode: str) -> None:
-    """Every page size from one codebook row (16 KiB) to 1 MiB wastes > 1% at steady state; auto is within 0.1% of
-    the best of them."""
-    geom = Geometry.from_workload(dataclasses.replace(PRESETS[name], quant=MODES[mode]))
-    assert geom.packed_format().codebook_row_bytes == 16384
+    """Every page size from one codebook row (16 KiB; compact: 8 KiB) to 1 MiB wastes > 1% at steady state; auto is
+    within 0.1% of the best of them."""
+    geom = Geometry.from_workload(dataclasses.replace(PRESETS[name], quant=mode_config(mode, PRESETS[name].head_dim)))
+    row = geom.packed_format().codebook_row_bytes
+    assert row == (8192 if mode == "compact" else 16384)
 
     def waste(page: int) -> float:
         p = plan_geometry(dataclasses.replace(geom, page_bytes=page, page_choice=None), replay=False)
         return p.waste_bytes / p.bytes
 
-    best = min(waste(p) for p in range(16384, 1 << 20, 256))
+    best = min(waste(p) for p in range(row, 1 << 20, 256))
     assert best > 0.01
     assert waste(geom.page_bytes) <= best + 0.001
 
