@@ -27,7 +27,10 @@ Choices made for the presets (SEMANTICS.md gives shapes, not every knob):
   the same range, one clean context rewrite: `denoise_steps + 1` calls (5 for the default 4 steps).
 - `cache_sets` (default 1): independent cache sets of `layers` caches each, e.g. 2 with classifier-free guidance.
 - `*-mini` presets keep a preset's frame counts and call pattern with a tiny per-frame shape (4 layers, 4 heads,
-  head_dim 64, 256 tokens per frame), for `simulate` runs on a CPU.
+  head_dim 64, 256 tokens per frame), for `simulate` runs on a CPU. Their compact mode (`--kv-cache-quant compact`)
+  has one fitted scale per token-head (blocks of 64, as compact's 128-channel blocks are at head_dim 128).
+- Every preset's own quantization is off (`QuantConfig()`, SGLang's defaults); `plan` lists off, int4, int2 and
+  compact next to it (`planner.mode_quant`), each with the preset's keep-recent/sink/sink-keep/seed policy.
 - `page_bytes` is None ("auto", the default): the planner picks the page size from the record sizes of the segment
   kinds in use (`layout.choose_page_bytes`).
 - Deployment (`pagedqvg plan --gpu ...`): `ulysses` / `tp` ranks split the heads (each rank's caches hold

@@ -366,8 +366,8 @@ def mode_config(mode: str, head_dim: int) -> QuantConfig:
 
 
 #: Page size alone cannot reach 1% here (test below): a packed chunk's trit token region (768 tokens x 120 B =
-#: 90 KiB; compact at head_dim 64: 768 x 30 B = 22.5 KiB) spans only a few pages, and no page may be smaller than
-#: one codebook row (128 x 64 x 2 B = 16 KiB; compact's fp8: 8 KiB).
+#: 90 KiB, compact's at head_dim 64 too) spans only a few pages, and no page may be smaller than one codebook row
+#: (128 x 64 x 2 B = 16 KiB; compact's fp8 codebooks: 8 KiB).
 PAGE_SIZE_CANNOT_REACH = {("lingbot-world-mini", "int2-trits"), ("self-forcing-mini", "int2-trits"),
                           ("lingbot-world-mini", "compact"), ("self-forcing-mini", "compact")}
 
