@@ -61,7 +61,6 @@ def stage_for(model: str, layers: int):
 def run(model: str, bits: int | None, layers: int, chunks: int, steps: int) -> dict:
     from sglang.multimodal_gen.configs.quantization.qvg_kv import QVGKVQuantArgs
 
-
     stage, arch, model_layers = stage_for(model, layers)
     stage._kv_quant_args = QVGKVQuantArgs(bits=bits)
     C = stage._get_causal_kv_cache_size()
@@ -138,6 +137,11 @@ def main() -> None:
 
     patched = integ.install(budget_bytes=int(args.budget_gib * GIB))
     print(f"install(): {len(patched)} bindings patched; pool {args.budget_gib} GiB, CPU, bf16")
+    print(
+        "| model (SGLang stage settings) | quant | SGLang dense (all layers) | pagedqvg pool steady | pool peak "
+        "| dense / pool | transient view (one layer) |"
+    )
+    print("|---|---|---:|---:|---:|---:|---:|", flush=True)
     rows = []
     for model in args.models.split(","):
         for mode in args.modes.split(","):
@@ -148,25 +152,18 @@ def main() -> None:
                 window_chunks = -(-stage.local_attn_size // stage.num_frames_per_block)
             chunks = args.chunks or max(window_chunks + 2, SCENE_CUT_EVERY + 2 if model == "longlive2" else 0)
             r = run(model, bits, args.layers, chunks, args.steps)
-            r["chunks"] = chunks
             rows.append(r)
-            print(
-                f"  {model} {mode}: {r['classes']}, C={r['C']} S={r['S']} n={r['n']} H={r['H']} D={r['D']}, "
-                f"{chunks} chunks x {1 + args.steps} calls x {args.layers} block(s) in {r['seconds']:.1f} s",
+            print(  # each row as soon as it is measured (a long run keeps what it has)
+                f"| {r['model']}: {r['layers']} layers x {r['H']} heads x {r['D']}, C={r['C']:,}, S={r['S']:,}, "
+                f"chunk {r['n']:,} | {r['mode']} | {r['dense'] / GIB:.2f} GiB | {r['steady'] / GIB:.2f} GiB "
+                f"| {r['peak'] / GIB:.2f} GiB | {r['dense'] / r['steady']:.2f}x | {r['view'] / GIB:.2f} GiB |",
                 flush=True,
             )
-    print()
-    print(
-        "| model (SGLang stage settings) | quant | SGLang dense (all layers) | pagedqvg pool steady | pool peak "
-        "| dense / pool | transient view (one layer) |"
-    )
-    print("|---|---|---:|---:|---:|---:|---:|")
-    for r in rows:
-        print(
-            f"| {r['model']}: {r['layers']} layers x {r['H']} heads x {r['D']}, C={r['C']:,}, S={r['S']:,}, "
-            f"chunk {r['n']:,} | {r['mode']} | {r['dense'] / GIB:.2f} GiB | {r['steady'] / GIB:.2f} GiB "
-            f"| {r['peak'] / GIB:.2f} GiB | {r['dense'] / r['steady']:.2f}x | {r['view'] / GIB:.2f} GiB |"
-        )
+            print(
+                f"    ({r['classes']}; {chunks} chunks x {1 + args.steps} calls x {args.layers} block(s) in "
+                f"{r['seconds']:.1f} s)",
+                flush=True,
+            )
     print(f"\npages of {rows[0]['page_bytes']} B; {args.layers} block(s) run per row, scaled to all layers")
 
 
