@@ -267,7 +267,8 @@ def test_packed_dequant_rejects_cache_dtype_codebooks_for_fp8_format():
     check_packed_dequant(tokens, torch.zeros(2, 4, 4, 16, dtype=FP8_DTYPE), pieces, cb_pages, 0, out, fmt)
 
 
-@pytest.mark.skipif(DEVICE is not None or TRITON_ERROR is not None, reason="the kernels already run in this process")
+@pytest.mark.skipif(DEVICE is not None or TRITON_ERROR is not None,
+                    reason="the kernels already run in this process" if DEVICE is not None else WHY)
 def test_interpreter_in_subprocess():
     """Fallback when this process imported triton in compiled mode and has no GPU: rerun this file interpreted."""
     rerun_interpreted(__file__)
