@@ -6,8 +6,8 @@
   packing where valid) and its deterministic pack / unpack / rewrite / rewind / pin program; the machine's page
   geometry is recomputed here from the format spec with 1-byte fp8 codebook values;
 - the planner's plan equals the pool's measured pages call by call (tests/test_planner.py's check);
-- views and unpacks of a compact cache are bit-identical with the Triton kernels (one-launch view builder, packed
-  dequant, residual pack; the interpreter without CUDA) and with torch.
+- views and unpacks of a compact cache bit-identical under the Triton and torch backends: the compact case of
+  tests/test_kernels_packed.py's backend comparison (not repeated here).
 """
 
 from __future__ import annotations
@@ -18,24 +18,14 @@ import pytest
 import test_cache_fuzz_quant as tfq
 import test_cache_quant as tcq
 import torch
+import triton_env  # noqa: F401  (sets TRITON_INTERPRET before anything imports triton)
 from hypothesis import settings
 from hypothesis import strategies as st
 from hypothesis.stateful import initialize, run_state_machine_as_test
 from test_planner import SMALL_QUANT, _run_and_check, tiny
-from triton_env import bits, contract_checked_kmeans, kernel_device  # sets TRITON_INTERPRET
 
-from pagedqvg import BlockPool, PagedCausalKVCache, QuantConfig
+from pagedqvg import QuantConfig
 from pagedqvg.quant import PackedFormat
-
-try:
-    from pagedqvg.kernels import triton_view_runs as tvr
-
-    TRITON_ERROR = None
-except Exception as exc:  # pragma: no cover - depends on the install
-    tvr = None
-    TRITON_ERROR = f"{type(exc).__name__}: {exc}"
-
-DEVICE, WHY = kernel_device(TRITON_ERROR, tvr and tvr._view_runs_kernel)
 
 #: Examples of the compact state machine under the ci profile (the quant machine runs 100; this one adds ~10 s).
 COMPACT_EXAMPLES = {"ci": 40}
@@ -149,32 +139,5 @@ def test_plan_equals_pool_stats_compact(w):
     _run_and_check(w)
 
 
-# ------------------------------------------------------------------------------------------------ kernels
-@pytest.mark.skipif(DEVICE is None, reason=WHY)
-@pytest.mark.parametrize("dtype", [torch.bfloat16], ids=str)  # other dtypes: test_compact.py's dequant test
-def test_compact_cache_views_identical_with_triton_and_torch(monkeypatch, dtype):
-    """As test_kernels_packed's backend comparison, with the compact format: every view (one view_runs launch on
-    the Triton backend: dense, packed and zero runs) and every unpack identical under both backends."""
-    quant = QuantConfig.compact(centroids=4, block_size=8, keep_recent_chunks=0, stages=2)
-    checked = contract_checked_kmeans(monkeypatch)
-    results = {}
-    for backend in ("torch", "triton"):
-        monkeypatch.setenv("PAGEDQVG_KERNELS", backend)
-        pool = BlockPool(64 * 1024, page_bytes=1024, device=DEVICE)
-        cache = PagedCausalKVCache(pool=pool, batch_size=2, cache_size=12, num_heads=3, head_dim=16, dtype=dtype,
-                                   device=DEVICE, sink_tokens=3, quant=quant)  # fmt: skip
-        assert cache._packed is not None and cache._packed.backend == backend
-        assert cache._packed.codebook_rows.dtype == torch.float8_e4m3fn
-        gen = torch.Generator().manual_seed(9)
-        views = []
-        for start, hs in ((0, None), (3, 1), (6, None), (9, 1), (12, None), (6, None), (9, 1), (15, None)):
-            kv = [torch.randn(2, 3, 3 if hs is None else 2, 16, generator=gen).to(dtype).to(DEVICE) for _ in range(2)]
-            view = cache.update_and_get_attention_kv(key=kv[0], value=kv[1], current_chunk_start=start,
-                                                     cache_head_start=hs)  # fmt: skip
-            views.append((view.k.cpu().clone(), view.v.cpu().clone(), cache.last_view_sources()))
-        results[backend] = views
-    assert any(kind == "packed" for _, _, src in results["torch"] for *_, kind in src)
-    assert checked["assign"] > 0 and checked["update"] > 0
-    for (ka, va, sa), (kb, vb, sb) in zip(results["torch"], results["triton"], strict=True):
-        assert sa == sb
-        assert torch.equal(bits(ka), bits(kb)) and torch.equal(bits(va), bits(vb))
+# The views under the Triton and torch backends with compact: test_kernels_packed.py's
+# test_cache_packed_views_identical_with_triton_and_torch[bf16-compact].

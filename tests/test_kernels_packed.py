@@ -270,14 +270,20 @@ def test_packed_dequant_empty_and_bad_arguments():
         tdq.packed_dequant_triton(st.token_view, st.codebook_rows, pieces.int(), seg.cb_pages_t, 0, good, seg.fmt)
 
 
+_INT2_2ST = QuantConfig(bits=2, centroids=4, block_size=8, keep_recent_chunks=0, stages=2)
+_COMPACT = QuantConfig.compact(centroids=4, block_size=8, keep_recent_chunks=0, stages=2)
+
+
 @needs_kernels
-@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=str)
-def test_cache_packed_views_identical_with_triton_and_torch(monkeypatch, dtype):
+@pytest.mark.parametrize(("dtype", "quant"), [(torch.bfloat16, _INT2_2ST), (torch.float16, _INT2_2ST),
+                                              (torch.bfloat16, _COMPACT)],
+                         ids=["bf16-int2-2st", "fp16-int2-2st", "bf16-compact"])  # fmt: skip
+def test_cache_packed_views_identical_with_triton_and_torch(monkeypatch, dtype, quant):
     """A quantized cache (batch 2, head slice): every view and every unpack identical under both backends. Both
     caches pack with the torch k-means results; on the Triton backend the Triton k-means kernels run as well and
     meet their contract at every step (`contract_checked_kmeans`: which near-ties resolve which way, and the last
-    bits of the means, depend on the machine's BLAS), so the packed bytes, and hence the views, must be equal."""
-    quant = QuantConfig(bits=2, centroids=4, block_size=8, keep_recent_chunks=0, stages=2)
+    bits of the means, depend on the machine's BLAS), so the packed bytes, and hence the views, must be equal.
+    The compact case (fitted scales, fp8 codebooks) goes through the same view_runs launch with fp8 codebook rows."""
     checked = contract_checked_kmeans(monkeypatch)
     results = {}
     for backend in ("torch", "triton"):
@@ -286,6 +292,8 @@ def test_cache_packed_views_identical_with_triton_and_torch(monkeypatch, dtype):
         cache = PagedCausalKVCache(pool=pool, batch_size=2, cache_size=12, num_heads=3, head_dim=16, dtype=dtype,
                                    device=DEVICE, sink_tokens=3, quant=quant)  # fmt: skip
         assert cache._packed is not None and cache._packed.backend == backend
+        cb_dtype = torch.float8_e4m3fn if quant.codebook_fp8 else dtype
+        assert cache._packed.codebook_rows.dtype == cb_dtype
         gen = torch.Generator().manual_seed(9)
         views = []
         for start, hs in ((0, None), (3, 1), (6, None), (9, 1), (12, None), (6, None), (9, 1), (15, None)):
