@@ -22,7 +22,10 @@ export PAGEDQVG_KERNEL_CHECKS=1
 export PAGEDQVG_FUZZ_PROFILE="${PAGEDQVG_FUZZ_PROFILE:-interp}"
 
 shopt -s nullglob
-files=(tests/test_cache*.py)
+files=()
+for f in tests/test_cache*.py; do
+  [[ $f == tests/test_cache_compact.py ]] || files+=("$f")  # not in this suite before the tests: rename
+done
 if (( ${#files[@]} == 0 )); then
   echo "triton_suite: no tests/test_cache*.py yet; nothing to run" >&2
   exit 5

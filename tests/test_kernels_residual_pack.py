@@ -1,6 +1,6 @@
 """PRQ quantize kernels (k-means update, residual pack into pages) against their torch references.
 
-Runs like tests/test_kernels_packed.py: without CUDA the Triton kernels run in Triton's interpreter on CPU tensors
+Runs like tests/test_kernels_dequant.py: without CUDA the Triton kernels run in Triton's interpreter on CPU tensors
 (TRITON_INTERPRET=1 is set before anything imports triton; `test_interpreter_in_subprocess` reruns this file in a
 fresh process if triton was imported in compiled mode first). On a CUDA machine the same comparisons run compiled.
 

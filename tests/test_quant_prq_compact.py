@@ -222,7 +222,7 @@ def test_residual_pack_fitted_scales_bit_exact(cfg, D, G):
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32], ids=str)
 def test_packed_dequant_fp8_codebooks_bit_exact(dtype):
     """Real packed segments in scrambled pages, then random fp8 codebook bytes (every class incl. NaN, subnormals)."""
-    from test_kernels_packed import Segment, same_bits_nan_as_nan
+    from test_kernels_dequant import Segment, same_bits_nan_as_nan
 
     gen = torch.Generator().manual_seed(zlib.crc32(f"fp8cb-{dtype}".encode()))
     cfg = QuantConfig.compact(block_size=16, centroids=6, stages=2)

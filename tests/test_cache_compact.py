@@ -7,7 +7,7 @@
   geometry is recomputed here from the format spec with 1-byte fp8 codebook values;
 - the planner's plan equals the pool's measured pages call by call (tests/test_planner.py's check);
 - views and unpacks of a compact cache bit-identical under the Triton and torch backends: the compact case of
-  tests/test_kernels_packed.py's backend comparison (not repeated here).
+  tests/test_kernels_dequant.py's backend comparison (not repeated here).
 """
 
 from __future__ import annotations
@@ -139,5 +139,5 @@ def test_plan_equals_pool_stats_compact(w):
     _run_and_check(w)
 
 
-# The views under the Triton and torch backends with compact: test_kernels_packed.py's
+# The views under the Triton and torch backends with compact: test_kernels_dequant.py's
 # test_cache_packed_views_identical_with_triton_and_torch[bf16-compact].

@@ -1,8 +1,8 @@
 """The Ulysses head-slice path across processes: 2 ranks (torch.distributed, gloo, CPU), each with its own pool and
 a cache holding every head (as SGLang allocates it), each writing and viewing its `cache_head_start = rank x local
 heads` slice. The ranks' views, all-gathered along heads, equal one process's views of a cache written with all
-heads, bit for bit (and the dense reference's). Also runnable as a script: `python tests/test_sglang_ulysses.py
-RANK WORLD INIT_FILE OUT` is one rank."""
+heads, bit for bit (and the dense reference's). Also runnable as a script:
+`python tests/test_integrations_sglang_ulysses.py RANK WORLD INIT_FILE OUT` is one rank."""
 
 from __future__ import annotations
 

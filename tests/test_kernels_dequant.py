@@ -1,6 +1,6 @@
 """Packed-view dequantization and k-means assignment kernels against their torch references.
 
-Runs like tests/test_kernels.py: without CUDA the Triton kernels run in Triton's interpreter on CPU tensors
+Runs like tests/test_kernels_page_write.py: without CUDA the Triton kernels run in Triton's interpreter on CPU tensors
 (TRITON_INTERPRET=1 is set here before anything imports triton; if triton was already imported in compiled mode,
 `test_interpreter_in_subprocess` reruns this file in a fresh process). On a CUDA machine the same comparisons run
 on CUDA tensors with compiled kernels.
