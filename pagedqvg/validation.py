@@ -2,7 +2,7 @@
 page-size alignment (pages are multiples of `PAGE_ALIGN_BYTES` bytes).
 
 Each rule is written once here; modules choose only the error type and, where their messages are part of the
-documented behaviour, the message wording (`check_int`'s `message` template).
+documented behaviour, the message wording (`check_int`'s message templates).
 """
 
 from __future__ import annotations
@@ -42,27 +42,30 @@ def check_int(
     maximum: int | None = None,
     error: type[Exception] = ValueError,
     message: str | None = None,
+    type_message: str | None = None,
 ) -> int:
     """`value` if it is an int (not a bool) in `[minimum, maximum]` (either bound may be None), else `error`.
 
-    Default messages: '{name} must be an int, got {value!r} ({type})' for a non-int and '{name} must be >= {minimum},
-    got {value}' (or '<= {maximum}', 'in [{minimum}, {maximum}]') for an int out of range. `message`, when given, is
-    a `str.format` template used for both failures, with the fields name, value, type (the value's type name),
-    minimum, maximum and allowed (`allowed_ints(minimum, maximum)`).
+    Messages are `str.format` templates with the fields name, value, type (the value's type name), minimum, maximum
+    and allowed (`allowed_ints(minimum, maximum)`). `type_message` is used for a non-int (default: '{name} must be an
+    int, got {value!r} ({type})'), `message` for an int out of range (default: '{name} must be >= {minimum}, got
+    {value}', or '<= {maximum}', 'in [{minimum}, {maximum}]'). Pass the same template twice for one wording.
     """
     ok_type = is_int(value)
     if ok_type and (minimum is None or value >= minimum) and (maximum is None or value <= maximum):  # type: ignore[operator]
         return value  # type: ignore[return-value]
-    if message is not None:
-        fields = {"minimum": minimum, "maximum": maximum, "allowed": allowed_ints(minimum, maximum)}
-        raise error(message.format(name=name, value=value, type=type(value).__name__, **fields))
     if not ok_type:
-        raise error(f"{name} must be an int, got {value!r} ({type(value).__name__})")
-    if minimum is not None and maximum is not None:
-        raise error(f"{name} must be in [{minimum}, {maximum}], got {value}")
-    if minimum is not None and value < minimum:  # type: ignore[operator]
-        raise error(f"{name} must be >= {minimum}, got {value}")
-    raise error(f"{name} must be <= {maximum}, got {value}")
+        template = type_message or "{name} must be an int, got {value!r} ({type})"
+    elif message is not None:
+        template = message
+    elif minimum is not None and maximum is not None:
+        template = "{name} must be in [{minimum}, {maximum}], got {value}"
+    elif minimum is not None and value < minimum:  # type: ignore[operator]
+        template = "{name} must be >= {minimum}, got {value}"
+    else:
+        template = "{name} must be <= {maximum}, got {value}"
+    fields = {"minimum": minimum, "maximum": maximum, "allowed": allowed_ints(minimum, maximum)}
+    raise error(template.format(name=name, value=value, type=type(value).__name__, **fields))
 
 
 def as_index(name: str, value: object, context: str) -> int:

@@ -51,8 +51,13 @@ def test_check_int_returns_value_error_type_and_template():
     assert check_int("x", -7) == -7
     with pytest.raises(KeyError, match="x=0; allowed: an int in"):
         check_int("x", 0, minimum=1, maximum=9, error=KeyError, message="{name}={value!r}; allowed: {allowed}")
+    one = "{name} must be {allowed}, got {value!r} ({type})"
     with pytest.raises(ValueError, match=r"^n must be an int >= 0, got 'a' \(str\)$"):
-        check_int("n", "a", minimum=0, message="{name} must be {allowed}, got {value!r} ({type})")
+        check_int("n", "a", minimum=0, message=one, type_message=one)
+    with pytest.raises(ValueError, match=r"^n must be an int, got 'a' \(str\)$"):
+        check_int("n", "a", minimum=1, message="{name} must be > 0, got {value}")  # message: out of range only
+    with pytest.raises(ValueError, match=r"^n must be > 0, got 0$"):
+        check_int("n", 0, minimum=1, message="{name} must be > 0, got {value}")
 
 
 def test_allowed_ints_wording():
