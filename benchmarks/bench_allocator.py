@@ -1,4 +1,4 @@
-"""Allocator micro-benchmarks: page alloc+free cost per page, and range-index insert/query/evict at 10,000 segments.
+"""Allocator micro-benchmarks: page alloc+free cost per page, and range-index insert/query/remove at 10,000 segments.
 
     python benchmarks/bench_allocator.py [--segments 10000]
 
@@ -72,12 +72,12 @@ def bench_index(segments: int) -> list[tuple[str, float]]:
     insert = timed(build) / segments
     query = timed(lambda: [idx.overlapping(q, q + 3 * width) for q in queries]) / len(queries)
 
-    def evict_all():
+    def release_all():  # what the roll does: drop the oldest segment, one at a time
         local = build()
-        for pos in range(width, segments * width + 1, width):
-            local.evict_before(pos)
+        while local:
+            local.remove(local.first())
 
-    evict = (timed(evict_all, 3) - insert * segments) / segments
+    release = (timed(release_all, 3) - insert * segments) / segments
 
     # Baseline: a sorted Python list of (start, end) scanned linearly for overlaps (what a segment list does).
     plain = sorted((s, s + width) for s in starts)
@@ -87,7 +87,7 @@ def bench_index(segments: int) -> list[tuple[str, float]]:
     return [
         (f"RangeIndex insert, {segments:,} segments (µs/op)", insert * 1e6),
         (f"RangeIndex overlapping query, {segments:,} segments (µs/op)", query * 1e6),
-        (f"RangeIndex evict_before, one segment at a time (µs/op, {segments:,} segments)", evict * 1e6),
+        (f"RangeIndex remove of the oldest segment, one at a time (µs/op, {segments:,} segments)", release * 1e6),
         (f"baseline: linear scan of a list, {segments:,} segments (µs/query)", linear * 1e6),
         ("baseline: bare bisect on a list of starts (µs/query, no overlap logic)", bisected * 1e6),
     ]

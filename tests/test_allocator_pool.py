@@ -55,6 +55,17 @@ def test_used_bytes_and_waste():
     pool.check()
 
 
+def test_reset_high_water_starts_a_new_peak_at_the_pages_held_now():
+    pool = BlockPool(capacity_bytes=4 * 256, page_bytes=256)
+    pages = pool.alloc(3, "a")
+    pool.free(pages[1:], "a")
+    assert pool.stats().high_water_pages == 3
+    pool.reset_high_water()
+    assert pool.stats().high_water_pages == 1
+    pool.free(pool.alloc(2, "b"), "b")
+    assert pool.stats().high_water_pages == 3
+
+
 @pytest.mark.parametrize(
     ("pages", "owner", "needle"),
     [
@@ -81,7 +92,8 @@ def test_bad_free_changes_nothing(pages, owner, needle):
         ({"capacity_bytes": 0, "page_bytes": 256}, "capacity_bytes must be > 0, got 0"),
         ({"capacity_bytes": -5, "page_bytes": 256}, "got -5"),
         ({"capacity_bytes": 1024, "page_bytes": 0}, "page_bytes must be > 0"),
-        ({"capacity_bytes": 1024, "page_bytes": 300}, "multiple of 256"),
+        ({"capacity_bytes": 1024, "page_bytes": 300}, "multiple of 256 .*got 300; nearest valid: 256"),
+        ({"capacity_bytes": 1024, "page_bytes": True}, r"page_bytes must be an int, got True \(bool\)"),
         ({"capacity_bytes": 100, "page_bytes": 256}, "below one page"),
         ({"capacity_bytes": 1024.0, "page_bytes": 256}, "must be an int"),
         ({"capacity_bytes": 1024, "page_bytes": 256, "device": "tpu"}, "device"),
@@ -103,6 +115,8 @@ def test_bad_alloc_arguments():
     pool = BlockPool(capacity_bytes=1024, page_bytes=256)
     with pytest.raises(ValueError, match="n must be an int >= 0"):
         pool.alloc(-1, "a")
+    with pytest.raises(ValueError, match=r"alloc: n must be an int >= 0, got 1\.0"):
+        pool.alloc(1.0, "a")
     with pytest.raises(ValueError, match="owner must be a non-empty str"):
         pool.alloc(1, "")
 

@@ -7,6 +7,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from pagedqvg import RangeIndex
+from pagedqvg.allocator import RangeEntry
 
 
 def test_basic_operations():
@@ -23,13 +24,15 @@ def test_basic_operations():
         idx.insert(25, 31, "x")
     with pytest.raises(ValueError, match="empty"):
         idx.insert(40, 40, "x")
-    left, right = idx.split(15, lambda v, pos: (v + "L", v + "R"))
-    assert (left.start, left.end, left.value, right.start, right.end, right.value) == (10, 15, "bL", 15, 20, "bR")
-    assert [e.value for e in idx.evict_before(15)] == ["a", "bL"]
+    assert idx.first().value == "a" and idx.last().value == "c"
+    idx.remove(idx.first())
+    with pytest.raises(KeyError, match=r"range \[0, 10\) is not in the index"):
+        idx.remove(RangeEntry(0, 10, "a"))
     removed, shortened = idx.truncate(32)
     assert removed == [] and (shortened.start, shortened.end) == (30, 32)
     removed, shortened = idx.truncate(15)
-    assert [e.value for e in removed] == ["bR", "c"] and shortened is None
+    assert [e.value for e in removed] == ["c"] and (shortened.start, shortened.end) == (10, 15)
+    assert [e.value for e in idx.clear()] == ["b"]
     assert len(idx) == 0 and idx.first() is None
 
 
@@ -37,9 +40,8 @@ ops = st.lists(
     st.one_of(
         st.tuples(st.just("insert"), st.integers(0, 200), st.integers(1, 30)),
         st.tuples(st.just("query"), st.integers(0, 220), st.integers(0, 60)),
-        st.tuples(st.just("evict"), st.integers(0, 220), st.just(0)),
+        st.tuples(st.just("remove"), st.integers(0, 220), st.just(0)),
         st.tuples(st.just("truncate"), st.integers(0, 220), st.just(0)),
-        st.tuples(st.just("split"), st.integers(0, 220), st.just(0)),
     ),
     max_size=60,
 )
@@ -63,24 +65,18 @@ def test_index_matches_brute_force(program):
         elif op == "query":
             got = [(e.start, e.end) for e in idx.overlapping(a, a + b)]
             assert got == sorted((s, e) for s, e in model if s < a + b and a < e and b > 0)  # [a, a) is empty
-        elif op == "evict":
-            got = [(e.start, e.end) for e in idx.evict_before(a)]
-            assert got == sorted((s, e) for s, e in model if e <= a)
-            model = [(s, e) for s, e in model if e > a]
-        elif op == "truncate":
+        elif op == "remove":  # the entry containing token a, found the way the cache finds it
+            entry = idx.find(a)
+            inside = [(s, e) for s, e in model if s <= a < e]
+            assert (None if entry is None else (entry.start, entry.end)) == (inside[0] if inside else None)
+            if entry is not None:
+                idx.remove(entry)
+                model.remove(inside[0])
+        else:
             removed, short = idx.truncate(a)
             assert [(e.start, e.end) for e in removed] == sorted((s, e) for s, e in model if s >= a)
             straddle = [(s, e) for s, e in model if s < a < e]
             assert (short is None) == (not straddle)
             model = [(s, min(e, a)) for s, e in model if s < a]
-        else:
-            inside = [(s, e) for s, e in model if s < a < e]
-            if not inside:
-                with pytest.raises(KeyError):
-                    idx.split(a, lambda v, p: (v, p))
-            else:
-                idx.split(a, lambda v, p: (v, p))
-                s, e = inside[0]
-                model = [m for m in model if m != (s, e)] + [(s, a), (a, e)]
         assert [(e.start, e.end) for e in idx] == sorted(model)
         assert len(idx) == len(model)

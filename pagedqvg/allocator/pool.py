@@ -14,8 +14,8 @@ from dataclasses import dataclass
 import torch
 
 from ..errors import PageOwnershipError, PoolExhaustedError, PoolInvariantError
+from ..validation import PAGE_ALIGN_BYTES, check_int, is_int, nearest_page_bytes
 
-PAGE_ALIGN_BYTES = 256
 DEFAULT_PAGE_BYTES = 1 << 20  # 1 MiB
 
 
@@ -49,11 +49,11 @@ class PoolStats:
 
 
 def _check_positive_int(name: str, value: object) -> int:
-    if isinstance(value, bool) or not isinstance(value, int):
-        raise ValueError(f"{name} must be an int, got {value!r} ({type(value).__name__})")
-    if value <= 0:
-        raise ValueError(f"{name} must be > 0, got {value}")
-    return value
+    return check_int(name, value, minimum=1, message="{name} must be > 0, got {value}")
+
+
+#: One wording for a count argument of the pool's methods, e.g. 'alloc: n must be an int >= 0, got -1'.
+_METHOD_INT = "{name} must be {allowed}, got {value!r}"
 
 
 def _resolve_device(device: torch.device | str) -> torch.device:
@@ -106,8 +106,7 @@ class BlockPool:
         if page_bytes % PAGE_ALIGN_BYTES:
             raise ValueError(
                 f"page_bytes must be a multiple of {PAGE_ALIGN_BYTES} (pages are {PAGE_ALIGN_BYTES}-byte aligned), "
-                f"got {page_bytes}; nearest valid: "
-                f"{max(PAGE_ALIGN_BYTES, round(page_bytes / PAGE_ALIGN_BYTES) * PAGE_ALIGN_BYTES)}"
+                f"got {page_bytes}; nearest valid: {nearest_page_bytes(page_bytes)}"
             )
         if capacity_bytes < page_bytes:
             raise ValueError(
@@ -247,8 +246,7 @@ class BlockPool:
 
     def alloc(self, n: int, owner: str) -> list[int]:
         """Take `n` pages for `owner`, all or nothing. O(n). Raises PoolExhaustedError (pool unchanged)."""
-        if isinstance(n, bool) or not isinstance(n, int) or n < 0:
-            raise ValueError(f"alloc: n must be an int >= 0, got {n!r}")
+        check_int("alloc: n", n, minimum=0, message=_METHOD_INT, type_message=_METHOD_INT)
         if not isinstance(owner, str) or not owner:
             raise ValueError(f"alloc: owner must be a non-empty str, got {owner!r}")
         if n > len(self._free):
@@ -273,7 +271,7 @@ class BlockPool:
         owner_of = self._owner_of
         seen: set[int] = set()
         for p in pages:
-            if isinstance(p, bool) or not isinstance(p, int) or not 0 <= p < self.num_pages:
+            if not is_int(p) or not 0 <= p < self.num_pages:
                 raise PageOwnershipError(
                     f"free by {owner}: page {p!r} does not exist (valid ids 0..{self.num_pages - 1})"
                 )
@@ -308,8 +306,7 @@ class BlockPool:
 
     def set_used_bytes(self, owner: str, nbytes: int) -> None:
         """Record how many bytes of its pages `owner` really uses (for the waste figure). O(1)."""
-        if isinstance(nbytes, bool) or not isinstance(nbytes, int) or nbytes < 0:
-            raise ValueError(f"set_used_bytes: nbytes must be an int >= 0, got {nbytes!r}")
+        check_int("set_used_bytes: nbytes", nbytes, minimum=0, message=_METHOD_INT, type_message=_METHOD_INT)
         held = self._owner_pages.get(owner, 0) * self.page_bytes
         if nbytes > held:
             raise ValueError(f"set_used_bytes: {owner} reports {nbytes} B used but holds {held} B of pages")
@@ -337,6 +334,8 @@ class BlockPool:
         )
 
     def reset_high_water(self) -> None:
+        """Start a new high-water mark at the pages held now (to measure the peak of one phase, e.g. a benchmark's
+        generation loop after the caches are set up). O(1)."""
         self._high_water = self.num_pages - len(self._free)
 
     def debug_state(self) -> tuple[tuple[int, ...], tuple[str | None, ...]]:

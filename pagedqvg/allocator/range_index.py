@@ -1,12 +1,12 @@
 """A sorted map from disjoint global token ranges `[start, end)` to records (one per segment).
 
 Backed by `sortedcontainers.SortedDict` keyed by `start`. With n entries and k results:
-insert O(log n), overlapping O(log n + k), evict_before O(k log n), truncate O(k log n), split O(log n).
+insert O(log n), find O(log n), overlapping O(log n + k), remove O(log n), truncate O(k log n).
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Generic, TypeVar
 
@@ -89,17 +89,6 @@ class RangeIndex(Generic[T]):
             raise KeyError(f"range [{entry.start}, {entry.end}) is not in the index")
         del self._by_start[entry.start]
 
-    def evict_before(self, pos: int) -> list[RangeEntry[T]]:
-        """Remove and return every entry that ends at or before `pos` (a straddling entry stays). O(k log n)."""
-        out: list[RangeEntry[T]] = []
-        while self._by_start:
-            entry = self._by_start.peekitem(0)[1]
-            if entry.end > pos:
-                break
-            self._by_start.popitem(0)
-            out.append(entry)
-        return out
-
     def truncate(self, pos: int) -> tuple[list[RangeEntry[T]], RangeEntry[T] | None]:
         """Drop everything at or after `pos`: entries starting at/after it are removed (returned first), and
         an entry straddling `pos` is shortened to end at `pos` (returned second). O(k log n)."""
@@ -116,22 +105,6 @@ class RangeIndex(Generic[T]):
             straddler.end = pos
             return removed, straddler
         return removed, None
-
-    def split(self, pos: int, split_value: Callable[[T, int], tuple[T, T]]) -> tuple[RangeEntry[T], RangeEntry[T]]:
-        """Split the entry strictly containing `pos` into `[start, pos)` and `[pos, end)`.
-
-        `split_value(value, pos)` returns the two records. KeyError if no entry strictly contains `pos`. O(log n).
-        """
-        entry = self.find(pos)
-        if entry is None or entry.start == pos:
-            raise KeyError(f"no range strictly contains position {pos}")
-        left_value, right_value = split_value(entry.value, pos)
-        end = entry.end
-        left = RangeEntry(entry.start, pos, left_value)
-        right = RangeEntry(pos, end, right_value)
-        self._by_start[entry.start] = left
-        self._by_start[pos] = right
-        return left, right
 
     def clear(self) -> list[RangeEntry[T]]:
         """Remove and return every entry, in order. O(n)."""
