@@ -11,7 +11,7 @@ from __future__ import annotations
 import pytest
 import torch
 from dense_reference import DenseReferenceCache
-from test_cache_fuzz import SegmentModel, cache_kwargs, pages_for
+from helpers import SegmentModel, cache_kwargs, pages_for
 
 from pagedqvg import BlockPool, PagedCausalKVCache, make_layer_caches
 

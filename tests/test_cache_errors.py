@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from helpers import cache_state, cursor, same
 
 from pagedqvg import (
     BlockPool,
@@ -44,49 +45,19 @@ def make(pool=None, **kw):
     return PagedCausalKVCache(**args)
 
 
-def snapshot(cache):
-    pool = cache.pool
-    return (
-        cache._G,
-        cache._L,
-        cache._C,
-        cache._W,
-        cache.pinned_range,
-        cache._map,
-        tuple(cache.segments()),
-        cache.resident_nbytes(),
-        cache.global_end_index.clone(),
-        cache.local_end_index.clone(),
-        cache.global_end_index_int,
-        cache.local_end_index_int,
-        pool.stats(),
-        pool.debug_state(),
-        pool.arena.clone(),
-    )
-
-
-def same(a, b):
-    assert len(a) == len(b)
-    for x, y in zip(a, b, strict=True):
-        if isinstance(x, torch.Tensor):
-            assert torch.equal(x, y)
-        else:
-            assert x == y
-
-
 def rolled_cache(**kw):
     """A cache that has rolled: C=12, E=2, four chunks of 3 → G=12... then two more → G=18, L=12."""
     cache = make(**kw)
     for i in range(6):
         k, v = kv(3, seed=i)
         cache.update_and_get_attention_kv(key=k, value=v, current_chunk_start=3 * i)
-    assert (cache._G, cache._L) == (18, 12)
+    assert cursor(cache) == (18, 12)
     return cache
 
 
 def call(cache, n=3, start=None, **kw):
     k, v = kv(n)
-    args = dict(key=k, value=v, current_chunk_start=cache._G if start is None else start)
+    args = dict(key=k, value=v, current_chunk_start=cursor(cache)[0] if start is None else start)
     args.update(kw)
     return cache.update_and_get_attention_kv(**args)
 
@@ -227,14 +198,14 @@ CASES = {
 def test_bad_input_raises_and_changes_nothing(name):
     setup, action, error, needles = CASES[name]
     cache = setup()
-    before = snapshot(cache)
+    before = cache_state(cache)
     with pytest.raises(error) as info:
         action(cache)
     for needle in needles:
         assert needle in str(info.value), (needle, str(info.value))
-    same(before, snapshot(cache))
+    same(before, cache_state(cache))
     cache.pool.check()
-    call(cache, start=cache._G - 3)  # still usable: a rewrite of the current chunk works
+    call(cache, start=cursor(cache)[0] - 3)  # still usable: a rewrite of the current chunk works
 
 
 def test_sequencing_error_is_not_implemented_error():
@@ -250,14 +221,14 @@ def test_pool_exhausted_mid_advance_changes_nothing():
     b = make(pool, cache_size=40)
     call(a, n=8, start=0)  # 2 pages
     call(b, n=8, start=0)  # 2 pages -> 2 left
-    before_a, before_b = snapshot(a), snapshot(b)
+    before_a, before_b = cache_state(a), cache_state(b)
     with pytest.raises(PoolExhaustedError) as info:
         call(a, n=12)  # 3 pages
     msg = str(info.value)
     assert "asked for 3 pages" in msg and "only 2 of 6 pages are free" in msg and "layer#" in msg
     assert "appending 12 tokens at 8" in msg
-    same(before_a, snapshot(a))
-    same(before_b, snapshot(b))
+    same(before_a, cache_state(a))
+    same(before_b, cache_state(b))
     pool.check()
     call(a, n=8)  # two pages still fit
     assert pool.stats().free_pages == 0
@@ -329,11 +300,11 @@ def test_inputs_that_require_grad_are_copied_without_autograd():
 
 def test_sparse_input_is_refused_before_anything_changes():
     cache = rolled_cache()
-    before = snapshot(cache)
+    before = cache_state(cache)
     k, v = kv(3)
     with pytest.raises(TypeError, match=r"layout torch\.sparse_coo"):
         cache.update_and_get_attention_kv(key=k.to_sparse(), value=v, current_chunk_start=18)
-    same(before, snapshot(cache))
+    same(before, cache_state(cache))
 
 
 def test_one_tensor_for_both_cursors_is_refused():

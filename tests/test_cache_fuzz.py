@@ -12,14 +12,24 @@ and "interp" (a reduced budget for the Triton-interpreter rerun in .ci/triton_su
 
 from __future__ import annotations
 
-import contextlib
 import os
 
 import pytest
 import torch
 from dense_reference import CacheConfigError, DenseReferenceCache, SequencingError
+from helpers import (
+    SegmentModel,
+    cache_kwargs,
+    head_args,
+    itemsize,
+    make_kv,
+    note,
+    pages_for,
+    recent,
+    same_error_kind,
+    seeds,
+)
 from hypothesis import given, settings
-from hypothesis import note as _hnote
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, rule, run_state_machine_as_test
 
@@ -30,93 +40,6 @@ DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 MAX_C = 16
 MAX_LIVE_SEGMENTS_WITH_GROWTH = 24  # growth never rolls; the machine resets a layer before it holds more
 STEPS = [0]  # state-machine steps run in this process (invariant checks), for measuring the profiles
-
-
-# ------------------------------------------------------------------------------------------------ helpers
-def note(msg):
-    """hypothesis.note inside a test run; ignored in the deterministic replays below."""
-    with contextlib.suppress(Exception):  # outside of a Hypothesis test
-        _hnote(msg)
-
-
-def itemsize(dtype):
-    return torch.empty((), dtype=dtype).element_size()
-
-
-def make_kv(cfg, n, hin, seed):
-    g = torch.Generator().manual_seed(seed)
-    shape = (cfg["B"], n, hin, cfg["D"])
-    k = torch.randn(shape, generator=g).to(cfg["dtype"])
-    v = torch.randn(shape, generator=g).to(cfg["dtype"])
-    return k, v
-
-
-def error_kind(exc):
-    if exc is None:
-        return None
-    if isinstance(exc, CacheConfigError):
-        return "config"
-    if isinstance(exc, SequencingError):
-        return "sequencing"
-    if isinstance(exc, ValueError):
-        return "value"
-    return type(exc).__name__
-
-
-def same_error_kind(ref_exc, got_exc):
-    """The cache must raise what the reference raises: SequencingError / CacheConfigError exactly; for a plain
-    ValueError of the reference any ValueError that is not one of the two specific kinds."""
-    if got_exc is None:
-        return False
-    rk = error_kind(ref_exc)
-    if rk == "value":
-        return isinstance(got_exc, ValueError) and not isinstance(got_exc, (SequencingError, CacheConfigError))
-    return rk == error_kind(got_exc)
-
-
-def tokens_per_page(cfg):
-    """Whole tokens per page (pagedqvg/layout.py: a token's K and V rows of every batch element never straddle
-    two pages): (page_bytes // row_bytes) // (2 * B), row_bytes = H * D * itemsize."""
-    row_bytes = cfg["H"] * cfg["D"] * itemsize(cfg["dtype"])
-    return (cfg["page_bytes"] // row_bytes) // (2 * cfg["B"])
-
-
-def pages_for(cfg, tokens):
-    """Pages of one dense segment of `tokens` tokens."""
-    return -(-tokens // tokens_per_page(cfg))
-
-
-class SegmentModel:
-    """Which segments (appended chunks) a layer must hold, derived from the reference only.
-
-    One advance of `a` new tokens = one segment of ceil(a / tokens_per_page) pages. A segment is freed when none
-    of its tokens is in slots [0, L). A rewind truncates the segment holding `pos` (its pages for the kept tokens
-    remain) and drops every later one.
-    """
-
-    def __init__(self):
-        self.segs = []  # [g0, g1) in order
-
-    def clear(self):
-        self.segs = []
-
-    def advance(self, g0, g1):
-        self.segs.append([g0, g1])
-
-    def rewind(self, pos):
-        kept = []
-        for g0, g1 in self.segs:
-            if g0 >= pos:
-                continue
-            kept.append([g0, min(g1, pos)])
-        self.segs = kept
-
-    def prune(self, ref):
-        live = set(ref.slot_global[: ref.L])
-        self.segs = [s for s in self.segs if any(g in live for g in range(s[0], s[1]))]
-
-    def pages(self, cfg):
-        return sum(pages_for(cfg, g1 - g0) for g0, g1 in self.segs)
 
 
 @st.composite
@@ -154,33 +77,9 @@ def pool_pages_needed(cfg):
     return NUM_LAYERS * live * pages_for(cfg, max_new_tokens(cfg))
 
 
-def head_args(data, H):
-    """(hin, cache_head_start) for one call: all heads (h0 None or 0) or a head slice."""
-    if H == 1 or data.draw(st.booleans(), label="all_heads"):
-        return H, data.draw(st.sampled_from([None, None, 0]), label="h0")
-    hin = data.draw(st.integers(1, H - 1), label="hin")
-    return hin, data.draw(st.integers(0, H - hin), label="h0")
-
-
-recent = st.sampled_from([None, None, None, 0, 1, 2, 5, 100])
-seeds = st.integers(0, 2**31 - 1)
 
 
 # ------------------------------------------------------------------------------------------------ the machine
-def cache_kwargs(cfg) -> dict:
-    """The PagedCausalKVCache (and DenseReferenceCache) shape arguments of a drawn config."""
-    return dict(
-        batch_size=cfg["B"],
-        cache_size=cfg["C"],
-        num_heads=cfg["H"],
-        head_dim=cfg["D"],
-        sink_tokens=cfg["S"],
-        attention_window_size=cfg["W"],
-        global_sink_tokens=cfg["GS"],
-        allow_growth=cfg["grow"],
-    )
-
-
 class PagedCacheMachine(RuleBasedStateMachine):
     @initialize(cfg=configs())
     def setup(self, cfg):

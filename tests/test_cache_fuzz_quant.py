@@ -48,21 +48,25 @@ from collections import Counter
 import pytest
 import torch
 from dense_reference import DenseReferenceCache
-from hypothesis import settings
-from hypothesis import strategies as st
-from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, rule, run_state_machine_as_test
-from test_cache_fuzz import (
+from helpers import (
     SegmentModel,
     cache_kwargs,
     head_args,
     itemsize,
     make_kv,
     note,
+    packed_store,
     pages_for,
     recent,
     same_error_kind,
     seeds,
+    segment_at,
+    segment_entries,
+    wrap_pressure_plan,
 )
+from hypothesis import settings
+from hypothesis import strategies as st
+from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, rule, run_state_machine_as_test
 
 from pagedqvg import BlockPool, PagedCausalKVCache, PoolExhaustedError, QuantConfig
 from pagedqvg.quant import prq_dequantize, prq_quantize
@@ -162,7 +166,7 @@ def read_packed(cache, entry):
     seg = entry.value
     n = entry.end - entry.start
     out = torch.empty(n, 2, cache.batch_size, cache.num_cache_heads, D, dtype=cache.dtype)
-    cache._packed.dequantize_into(out, seg.pages[: seg.n_token_pages], seg.pages[seg.n_token_pages :], 0, n, 0)
+    packed_store(cache).dequantize_into(out, seg.pages[: seg.n_token_pages], seg.pages[seg.n_token_pages :], 0, n, 0)
     return out
 
 
@@ -277,7 +281,7 @@ class QuantFuzzMachine(RuleBasedStateMachine):
             for i in range(NUM_LAYERS)
         ]
         for cache in self.quant:  # a spy: how often pack_under_pressure had to act (coverage counts only)
-            cache._pressure_plan = _counting_pressure_plan(cache._pressure_plan)
+            wrap_pressure_plan(cache, _counting_pressure_plan)
         self.refs = [DenseReferenceCache(dtype=cfg["dtype"], **kw) for _ in range(NUM_LAYERS)]
         self.models = [SegmentModel() for _ in range(NUM_LAYERS)]
         self.last_chunk = [None] * NUM_LAYERS
@@ -303,7 +307,7 @@ class QuantFuzzMachine(RuleBasedStateMachine):
             cache.cache_size,
             cache.attention_window_size,
             cache.pinned_range,
-            [(e.start, e.end, e.value.kind, tuple(e.value.pages)) for e in cache._index],
+            [(e.start, e.end, e.value.kind, tuple(e.value.pages)) for e in segment_entries(cache)],
         )
 
     def grow_shadow(self, i, end):
@@ -421,7 +425,7 @@ class QuantFuzzMachine(RuleBasedStateMachine):
         the starts of the segments packed since the last call."""
         cache, old = self.quant[i], self.packed_from[i]
         new, packed_now = {}, []
-        for e in cache._index:
+        for e in segment_entries(cache):
             if not e.value.packed:
                 COUNTS["unpacks"] += e.start in old
                 continue
@@ -471,7 +475,7 @@ class QuantFuzzMachine(RuleBasedStateMachine):
                     same = (bits(got) == bits(plain[:, rows])).all(-1)  # [B, m, hin]
                     assert (same | ~exact[None]).all(), f"dense rows of tokens [{g0}, {g1}) differ from quant off"
                 else:
-                    entry = cache._index.find(g0)
+                    entry = segment_at(cache, g0)
                     assert entry is not None and entry.end >= g1 and entry.value.packed
                     src = self.packed_from[i][entry.start][1][g0 - entry.start : g1 - entry.start, kv, :, heads]
                     worst = check_error_bound(got, src.transpose(0, 1), f"[{g0}, {g1}) layer {i}")
@@ -492,7 +496,7 @@ class QuantFuzzMachine(RuleBasedStateMachine):
         """After an advance writing [s, e): the policy's outcome. Returns the starts of the segments the policy had
         to pack (README, "Quantization (PRQ)"), whether or not they are packed."""
         cache, q = self.quant[i], self.cfg["quant"]
-        kinds = {x.start: x.value.kind for x in cache._index}
+        kinds = {x.start: x.value.kind for x in segment_entries(cache)}
         segs = self.models[i].segs
         assert kinds[segs[-1][0]] == "dense", f"the current chunk {segs[-1]} is packed"
         for g0, g1 in segs:
@@ -588,7 +592,7 @@ class QuantFuzzMachine(RuleBasedStateMachine):
     @rule(layer=layers, data=st.data(), r=recent, seed=seeds)
     def rewrite_packed(self, layer, data, r, seed):
         """Part of a packed chunk (unpacks it), possibly extending past the global end."""
-        packed = [(x.start, x.end) for x in self.quant[layer]._index if x.value.packed]
+        packed = [(x.start, x.end) for x in segment_entries(self.quant[layer]) if x.value.packed]
         if not packed:
             return
         g0, g1 = data.draw(st.sampled_from(packed), label="segment")
@@ -645,12 +649,12 @@ class QuantFuzzMachine(RuleBasedStateMachine):
     def rewind(self, layer, data):
         ref = self.refs[layer]
         floor = 0 if ref.G == ref.L else ref.G - (ref.L - ref.E)
-        packed = [x.start + 1 for x in self.quant[layer]._index if x.value.packed]  # into a packed chunk
+        packed = [x.start + 1 for x in segment_entries(self.quant[layer]) if x.value.packed]  # into a packed chunk
         last = self.last_chunk[layer][0] if self.last_chunk[layer] else 0
         special = [p for p in (floor - 1, floor, floor + 1, last, ref.G - 1, ref.G, ref.G + 1, *packed) if p >= 0]
         pos = data.draw(st.one_of(st.sampled_from(special), st.integers(0, ref.G + 1)), label="pos")
         g = ref.G
-        into_packed = any(x.start < pos < x.end and x.value.packed for x in self.quant[layer]._index)
+        into_packed = any(x.start < pos < x.end and x.value.packed for x in segment_entries(self.quant[layer]))
         COUNTS["rewind attempts into a packed chunk"] += into_packed
         if self.call_simple(layer, "rewind_to", pos):
             COUNTS["rewinds into a packed chunk"] += into_packed and pos < g
@@ -769,7 +773,7 @@ class QuantFuzzMachine(RuleBasedStateMachine):
             q = self.quant[i]
             live = ref.slot_global[: ref.L]
             packed_tokens = 0
-            for x in q._index:
+            for x in segment_entries(q):
                 n = x.end - x.start
                 want = packed_pages(cfg, n) if x.value.packed else pages_for(cfg, n)
                 assert len(x.value.pages) == want, (x.start, x.end, x.value.kind, len(x.value.pages), want)
@@ -779,7 +783,7 @@ class QuantFuzzMachine(RuleBasedStateMachine):
             assert mb["dense_pages"] + mb["packed_pages"] == owner_pages.get(q.owner, 0), (mb, owner_pages)
             assert mb["dense_tokens"] + mb["packed_tokens"] == ref.L, (mb, ref.L)
             assert mb["packed_tokens"] == packed_tokens, (mb, packed_tokens)
-            assert set(self.packed_from[i]) == {x.start for x in q._index if x.value.packed}
+            assert set(self.packed_from[i]) == {x.start for x in segment_entries(q) if x.value.packed}
 
     def teardown(self):
         if not getattr(self, "ready", False):
@@ -836,7 +840,7 @@ def run_program(cfg, ops, quant=None, pressure=False):
         elif op[0] == "squeeze":
             m.squeeze = op[1]
         elif op[0] == "expect":
-            got = [(x.start, x.end, x.value.kind) for x in m.quant[op[1]]._index]
+            got = [(x.start, x.end, x.value.kind) for x in segment_entries(m.quant[op[1]])]
             assert got == op[2], f"step {seed}: segments {got}, expected {op[2]}"
         m.consistent()
     m.teardown()

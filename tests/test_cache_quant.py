@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from helpers import cursor, segment_at, segment_kind, sink_segment_starts
 
 from pagedqvg import BlockPool, CacheConfigError, PagedCausalKVCache, PoolExhaustedError, QuantConfig
 from pagedqvg.synthetic import video_kv
@@ -60,7 +61,7 @@ def accounting(pool, cache):
     mb = cache.memory_breakdown()
     assert mb["dense_pages"] + mb["packed_pages"] == pool.pages_of(cache.owner)
     assert cache.resident_nbytes() == pool.pages_of(cache.owner) * pool.page_bytes
-    assert mb["dense_tokens"] + mb["packed_tokens"] == cache._L
+    assert mb["dense_tokens"] + mb["packed_tokens"] == cursor(cache)[1]
     return mb
 
 
@@ -96,7 +97,7 @@ def test_keep_recent_and_sink_keep_policy():
     for c in range(6):
         s = c * CHUNK
         packed.update_and_get_attention_kv(key=k[:, s : s + CHUNK], value=v[:, s : s + CHUNK], current_chunk_start=s)
-    kinds = {start: packed._index.find(start).value.kind for start, _, _ in packed.segments()}
+    kinds = {start: segment_kind(packed, start) for start, _, _ in packed.segments()}
     # chunk 0 is the sink chunk (kept: sink_keep_chunks=1); chunks 1..2 packed; 3, 4 are the 2 recent; 5 current.
     assert kinds == {0: "dense", 48: "packed", 96: "packed", 144: "dense", 192: "dense", 240: "dense"}
     quant_nosink = QuantConfig(bits=2, centroids=16, block_size=16, keep_recent_chunks=0, sink=False)
@@ -104,7 +105,7 @@ def test_keep_recent_and_sink_keep_policy():
     for c in range(3):
         s = c * CHUNK
         packed.update_and_get_attention_kv(key=k[:, s : s + CHUNK], value=v[:, s : s + CHUNK], current_chunk_start=s)
-    kinds = [packed._index.find(start).value.kind for start, _, _ in packed.segments()]
+    kinds = [segment_kind(packed, start) for start, _, _ in packed.segments()]
     assert kinds == ["dense", "packed", "dense"]
 
 
@@ -115,17 +116,17 @@ def test_rewrite_of_packed_range_unpacks_then_repacks():
         s = c * CHUNK
         for cache in (plain, packed):
             cache.update_and_get_attention_kv(key=k[:, s : s + CHUNK], value=v[:, s : s + CHUNK], current_chunk_start=s)
-    assert packed._index.find(CHUNK).value.kind == "packed"
+    assert segment_kind(packed, CHUNK) == "packed"
     new_k, new_v = k[:, CHUNK : 2 * CHUNK] * 2, v[:, CHUNK : 2 * CHUNK] * 2
     a = plain.update_and_get_attention_kv(key=new_k, value=new_v, current_chunk_start=CHUNK)
     b = packed.update_and_get_attention_kv(key=new_k, value=new_v, current_chunk_start=CHUNK)
-    assert packed._index.find(CHUNK).value.kind == "dense"
+    assert segment_kind(packed, CHUNK) == "dense"
     compare(a, b, packed, 0.35)
     accounting(pool, packed)
     s = 4 * CHUNK
     for cache in (plain, packed):
         cache.update_and_get_attention_kv(key=k[:, s : s + CHUNK], value=v[:, s : s + CHUNK], current_chunk_start=s)
-    assert packed._index.find(CHUNK).value.kind == "packed"  # the policy packed it again
+    assert segment_kind(packed, CHUNK) == "packed"  # the policy packed it again
     accounting(pool, packed)
 
 
@@ -147,10 +148,10 @@ def test_pinned_sink_follows_sink_policy_and_rolls_with_quant():
             b = packed.update_and_get_attention_kv(key=kk, value=vv, current_chunk_start=s)
             compare(a, b, packed, 0.35)
             accounting(pool, packed)
-        pinned_starts = packed._sink_segment_starts()
+        pinned_starts = sink_segment_starts(packed)
         assert pinned_starts
         for start in pinned_starts:
-            assert packed._index.find(start).value.kind == ("packed" if sink_flag else "dense")
+            assert segment_kind(packed, start) == ("packed" if sink_flag else "dense")
 
 
 def test_rewind_across_packed_segments_keeps_codebooks():
@@ -160,14 +161,14 @@ def test_rewind_across_packed_segments_keeps_codebooks():
         s = c * CHUNK
         for cache in (plain, packed):
             cache.update_and_get_attention_kv(key=k[:, s : s + CHUNK], value=v[:, s : s + CHUNK], current_chunk_start=s)
-    seg = packed._index.find(2 * CHUNK).value
+    seg = segment_at(packed, 2 * CHUNK).value
     assert seg.kind == "packed"
     cb_pages = seg.pages[seg.n_token_pages :]
     before_tok = seg.n_token_pages
     pos = 2 * CHUNK + 5
     for cache in (plain, packed):
         cache.rewind_to(pos)
-    seg = packed._index.find(2 * CHUNK).value
+    seg = segment_at(packed, 2 * CHUNK).value
     assert seg.kind == "packed" and seg.pages[seg.n_token_pages :] == cb_pages and seg.n_token_pages < before_tok
     assert [s for s, _, _ in packed.segments()] == [0, CHUNK, 2 * CHUNK]
     accounting(pool, packed)
@@ -218,7 +219,7 @@ def test_memory_pressure_packs_recent_chunks_early():
             assert (pool.stats(), pool.debug_state(), cache.segments()) == before
         else:
             cache.update_and_get_attention_kv(key=kk, value=vv, current_chunk_start=s)
-            kinds = [cache._index.find(st).value.kind for st, _, _ in cache.segments()]
+            kinds = [segment_kind(cache, st) for st, _, _ in cache.segments()]
             assert kinds[0] == "packed" and kinds[-1] == "dense"
             accounting(pool, cache)
 
@@ -235,8 +236,8 @@ def test_non_finite_chunk_stays_unpacked_with_a_warning():
                 key=k[:, s : s + CHUNK], value=v[:, s : s + CHUNK], current_chunk_start=s
             )
     assert packed.pack_skipped == 1
-    assert packed._index.find(0).value.kind == "dense"
-    assert packed._index.find(CHUNK).value.kind == "packed"
+    assert segment_kind(packed, 0) == "dense"
+    assert segment_kind(packed, CHUNK) == "packed"
     accounting(pool, packed)
 
 

@@ -13,7 +13,7 @@ from dataclasses import dataclass
 import pytest
 import torch
 from dense_reference import DenseReferenceCache
-from test_cache_errors import same, snapshot
+from helpers import cache_state, same
 
 from pagedqvg import BlockPool, CacheConfigError, IntegrationError, QuantConfig, SequencingError
 from pagedqvg.integrations import sglang as integ
@@ -110,12 +110,12 @@ def test_random_sessions_equal_the_dense_reference(seed):
         try:
             want = ref.update_and_get_attention_kv(key.float(), value.float(), start, h0, r)
         except (SequencingError, CacheConfigError, ValueError) as exc:
-            before = snapshot(cache)
+            before = cache_state(cache)
             with pytest.raises(type(exc)):
                 cache.update_and_get_attention_kv(
                     key=key, value=value, current_chunk_start=start, cache_head_start=h0, recent_window_tokens=r
                 )
-            same(before, snapshot(cache))
+            same(before, cache_state(cache))
             continue
         got = cache.update_and_get_attention_kv(
             key=key, value=value, current_chunk_start=start, cache_head_start=h0, recent_window_tokens=r
@@ -248,11 +248,11 @@ def test_bad_settings_are_refused_and_change_nothing(attr, value, pattern):
     cache = dense_cache(pool(), sink_tokens=2)
     key, val = kv(3)
     cache.update_and_get_attention_kv(key=key, value=val, current_chunk_start=0)
-    before = snapshot(cache)
+    before = cache_state(cache)
     kept = (cache.sink_tokens, cache.attention_window_size, cache.allow_growth)
     with pytest.raises(CacheConfigError, match=pattern):
         setattr(cache, attr, value)
-    same(before, snapshot(cache))
+    same(before, cache_state(cache))
     assert (cache.sink_tokens, cache.attention_window_size, cache.allow_growth) == kept
 
 
