@@ -19,6 +19,8 @@ from dataclasses import dataclass
 
 import torch
 
+from .validation import PAGE_ALIGN_BYTES, check_int, page_bytes_at_least, page_bytes_floor
+
 
 def dtype_itemsize(dtype: torch.dtype) -> int:
     """Bytes per element of `dtype`."""
@@ -33,12 +35,11 @@ class RowRegion:
     page_bytes: int
 
     def __post_init__(self) -> None:
-        if self.row_bytes <= 0:
-            raise ValueError(f"row_bytes must be > 0, got {self.row_bytes}")
+        check_int("row_bytes", self.row_bytes, minimum=1, message="{name} must be > 0, got {value}")
         if self.row_bytes > self.page_bytes:
             raise ValueError(
                 f"one row of {self.row_bytes} B does not fit a page of {self.page_bytes} B; "
-                f"use page_bytes >= {-(-self.row_bytes // 256) * 256}"
+                f"use page_bytes >= {page_bytes_at_least(self.row_bytes)}"
             )
 
     @property
@@ -68,10 +69,6 @@ class DenseTokenLayout:
     def row_bytes(self) -> int:
         """Bytes of one token row (one token, one batch element, K or V, all heads)."""
         return self.num_heads * self.head_dim * self.itemsize
-
-    @property
-    def region(self) -> RowRegion:
-        return RowRegion(self.row_bytes, self.page_bytes)
 
     @property
     def tokens_per_page(self) -> int:
@@ -118,10 +115,6 @@ class PackedSegmentLayout:
         return cls(batch_size, fmt.token_row_bytes, fmt.codebook_row_bytes, fmt.num_codebook_rows, page_bytes)
 
     @property
-    def token_region(self) -> RowRegion:
-        return RowRegion(self.token_row_bytes, self.page_bytes)
-
-    @property
     def codebook_region(self) -> RowRegion:
         return RowRegion(self.codebook_row_bytes, self.page_bytes)
 
@@ -166,12 +159,10 @@ def page_pieces(pages: list[int], tokens_per_page: int, t0: int, t1: int) -> lis
 AUTO_PAGE_WASTE = 0.005
 #: Largest page `choose_page_bytes` considers (bytes).
 AUTO_PAGE_MAX_BYTES = 4 << 20
-#: Pages are multiples of this many bytes (the pool's alignment, `allocator.PAGE_ALIGN_BYTES`).
-PAGE_ALIGN = 256
 
 
 @dataclass(frozen=True, slots=True)
-class SegmentKind:
+class SegmentShape:
     """One kind of segment a cache stores: row regions `(record_bytes, records)`, each on its own pages, whole
     records per page. A bf16 chunk: one region of tokens (`2 * B * H * D * itemsize` bytes per token); a packed
     chunk: its token region (`2 * B * token_row_bytes` per token) and its codebook region (one row per table)."""
@@ -202,14 +193,14 @@ class SegmentKind:
 
 def segment_kinds(
     batch_size: int, num_heads: int, head_dim: int, itemsize: int, chunk_tokens: int, packed_format=None
-) -> tuple[SegmentKind, ...]:
+) -> tuple[SegmentShape, ...]:
     """The segment kinds a cache of this shape stores for chunks of `chunk_tokens` tokens: bf16 chunks, plus packed
     chunks when `packed_format` (a `quant.format.PackedFormat`, duck-typed) is given."""
-    kinds = [SegmentKind("bf16", ((2 * batch_size * num_heads * head_dim * itemsize, chunk_tokens),))]
+    kinds = [SegmentShape("bf16", ((2 * batch_size * num_heads * head_dim * itemsize, chunk_tokens),))]
     if packed_format is not None:
         f = packed_format
         kinds.append(
-            SegmentKind(
+            SegmentShape(
                 "packed",
                 (
                     (2 * batch_size * f.token_row_bytes, chunk_tokens),
@@ -235,7 +226,7 @@ class PageChoice:
 
 
 def choose_page_bytes(
-    kinds: tuple[SegmentKind, ...], *, target: float = AUTO_PAGE_WASTE, max_page_bytes: int = AUTO_PAGE_MAX_BYTES
+    kinds: tuple[SegmentShape, ...], *, target: float = AUTO_PAGE_WASTE, max_page_bytes: int = AUTO_PAGE_MAX_BYTES
 ) -> PageChoice:
     """The page size for segments of `kinds` (`--page-bytes auto`): the largest multiple of 256 B up to
     `max_page_bytes` whose worst kind wastes at most `target` of its pages (page tails plus the unfilled last page
@@ -243,11 +234,11 @@ def choose_page_bytes(
     whole-chunk segments then wastes at most `target`. If no page meets it: the page with the least waste over one
     segment of each kind together (ties: the larger page). O(max_page_bytes / 256 * regions)."""
     smallest = max(record for k in kinds for record, _ in k.regions)
-    lo = -(-smallest // PAGE_ALIGN) * PAGE_ALIGN
-    hi = max(lo, max_page_bytes // PAGE_ALIGN * PAGE_ALIGN)
+    lo = page_bytes_at_least(smallest)
+    hi = max(lo, page_bytes_floor(max_page_bytes))
     used = sum(k.used_bytes for k in kinds)
     best_p, best_pooled = lo, 2.0
-    for p in range(hi, lo - 1, -PAGE_ALIGN):
+    for p in range(hi, lo - 1, -PAGE_ALIGN_BYTES):
         if max(k.waste(p) for k in kinds) <= target:
             best_p = p
             break

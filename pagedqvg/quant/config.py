@@ -11,6 +11,8 @@ from collections.abc import Mapping
 from dataclasses import dataclass, fields
 from typing import Any
 
+from ..validation import check_int
+
 #: Allowed values of `QuantConfig.bits` (None = quantization off, bf16 cache).
 ALLOWED_BITS: tuple[int | None, ...] = (None, 2, 4)
 #: Centroid ids are stored as uint8, so a stage has at most 256 centroids.
@@ -236,10 +238,9 @@ class QuantConfig:
 
 
 def _check_int(name: str, value: object, *, lo: int, hi: int | None = None, why: str = "") -> None:
-    if isinstance(value, bool) or not isinstance(value, int) or value < lo or (hi is not None and value > hi):
-        allowed = f"an int in [{lo}, {hi}]" if hi is not None else f"an int >= {lo}"
-        reason = f" ({why})" if why else ""
-        raise ValueError(f"QuantConfig.{name}={value!r} is out of range; allowed: {allowed}{reason}")
+    reason = f" ({why})" if why else ""
+    message = "QuantConfig.{name}={value!r} is out of range; allowed: {allowed}" + reason
+    check_int(name, value, minimum=lo, maximum=hi, message=message, type_message=message)
 
 
 def _parse_value(name: str, key: str, value: Any) -> Any:

@@ -33,13 +33,12 @@ from dataclasses import dataclass
 
 import torch
 
+from ..validation import SUPPORTED_DTYPES, check_int
 from .config import QuantConfig
 
 FP8_DTYPE = torch.float8_e4m3fn
 #: Largest finite float8_e4m3fn value; scales and zeros are clamped to [-FP8_MAX, FP8_MAX].
 FP8_MAX = 448.0
-#: Allowed cache (and codebook) dtypes.
-CACHE_DTYPES: tuple[torch.dtype, ...] = (torch.bfloat16, torch.float16, torch.float32)
 
 _TRIT_WEIGHTS = (81, 27, 9, 3, 1)
 
@@ -76,10 +75,10 @@ class PackedFormat:
         if not self.cfg.enabled:
             raise ValueError("PackedFormat needs a QuantConfig with bits=2 or 4 (got bits=None: quantization off)")
         self.cfg.validate(head_dim=self.head_dim)
-        if isinstance(self.num_heads, bool) or not isinstance(self.num_heads, int) or self.num_heads < 1:
-            raise ValueError(f"PackedFormat.num_heads={self.num_heads!r}; allowed: an int >= 1")
-        if self.dtype not in CACHE_DTYPES:
-            raise ValueError(f"PackedFormat.dtype={self.dtype}; allowed: {', '.join(map(str, CACHE_DTYPES))}")
+        message = "PackedFormat.{name}={value!r}; allowed: {allowed}"
+        check_int("num_heads", self.num_heads, minimum=1, message=message, type_message=message)
+        if self.dtype not in SUPPORTED_DTYPES:
+            raise ValueError(f"PackedFormat.dtype={self.dtype}; allowed: {', '.join(map(str, SUPPORTED_DTYPES))}")
 
     # ------------------------------------------------------------------ per-head record
     @property
