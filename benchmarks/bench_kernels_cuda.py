@@ -23,8 +23,8 @@ reference; bytes = dense rows read and written + packed rows and codebooks read 
 k-means stages, the residual block-quantized into staged rows, copied into the pages) with the Triton steps against
 the same calls on the torch path (ms per chunk; quality checked, bytes compared: near-ties may differ).
 `kmeans_assign` = one k-means assignment of a chunk
-(S = chunk tokens, B*H heads, K centroids, fp32) against prq's torch `_assign`; it is compute-bound, its line also
-gives TFLOP/s (2*S*K*D per head); ids may differ only on rounding-level near-ties, which are verified in fp64.
+(S = chunk tokens, B*H heads, K centroids, fp32) against prq's torch `assign_nearest`; it is compute-bound, its line
+also gives TFLOP/s (2*S*K*D per head); ids may differ only on rounding-level near-ties, which are verified in fp64.
 
 Bytes counted: a copy kernel reads and writes every element once, so bytes = 2 x (elements x itemsize), plus the
 row index it reads (16 B per token row). GB/s = bytes / median time (1 GB = 1e9 B); "% peak" is against
@@ -485,7 +485,7 @@ def bench_mixed(shape: Shape, args, device: torch.device, mv: MixedView):
 
 
 def bench_kmeans(shape: Shape, args, device: torch.device):
-    """One k-means assignment of a chunk (fp32, B*H heads) against prq's torch `_assign`; near-ties verified."""
+    """One k-means assignment of a chunk (fp32, B*H heads) against prq's torch `assign_nearest`; near-ties verified."""
     from pagedqvg.kernels.kmeans import distance_error_bound, kmeans_assign_torch
     from pagedqvg.kernels.triton_kmeans import kmeans_assign_triton
 

@@ -25,7 +25,7 @@ import torch
 from pagedqvg.planner import Geometry, max_window_frames, min_window_frames, plan_geometry
 from pagedqvg.presets import get_preset
 from pagedqvg.quant import PackedFormat, QuantConfig, pack_residual_rows, prq_dequantize, prq_quantize
-from pagedqvg.quant.prq import _assign
+from pagedqvg.quant.prq import assign_nearest
 from pagedqvg.synthetic import relative_error, snr_db, video_kv
 
 CHUNK = 4680
@@ -97,7 +97,7 @@ def _shared_codebook_error(cfg: QuantConfig, x1: torch.Tensor, x2: torch.Tensor)
     first = prq_quantize(x1, cfg)
     cb = first.codebooks.float()  # [H, 1, K, D]
     r = x2.float().transpose(0, 1)
-    ids = _assign(r, cb[:, 0])
+    ids = assign_nearest(r, cb[:, 0])
     resid = r - cb[torch.arange(r.shape[0])[:, None], 0, ids]
     rows = pack_residual_rows(resid, ids[..., None].to(torch.uint8), first.fmt)
     return relative_error(x2, prq_dequantize(rows, first.codebooks, first.fmt))

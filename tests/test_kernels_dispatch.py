@@ -31,3 +31,29 @@ def test_index_checks_name_the_bad_range(monkeypatch):
         dispatch._check_rows(rows, torch.tensor([[[-1, 2]]]), ok_slots)
     monkeypatch.setenv("PAGEDQVG_KERNEL_CHECKS", "0")
     dispatch._check_rows(rows, ok_pages, torch.tensor([[[4, 0]]]))  # off by default: no host sync
+
+
+def test_kernels_package_exports_no_name_of_a_submodule():
+    """`pagedqvg.kernels.<name>` must be the submodule `<name>.py` whenever one exists: re-exporting a function
+    called like a submodule (it was `page_write`, `view_build`) makes `import pagedqvg.kernels.page_write` and
+    `from pagedqvg.kernels import page_write` give different kinds of object."""
+    import importlib
+    import pkgutil
+    import types
+
+    import pagedqvg.kernels as kernels
+
+    submodules = {m.name for m in pkgutil.iter_modules(kernels.__path__)}
+    assert {"dispatch", "page_write", "view_build", "view_runs"} <= submodules
+    assert set(kernels.__all__) == {"kernel_backend", "triton_available"}
+    assert not set(kernels.__all__) & submodules
+    clashes = {
+        name: type(value).__name__
+        for name, value in vars(kernels).items()
+        if name in submodules and not isinstance(value, types.ModuleType)
+    }
+    assert clashes == {}
+    for name in ("dispatch", "page_write", "view_build", "view_runs", "kmeans", "dequant", "rows"):
+        module = importlib.import_module(f"pagedqvg.kernels.{name}")
+        assert getattr(kernels, name) is module
+    assert kernels.kernel_backend is dispatch.kernel_backend and kernels.triton_available is dispatch.triton_available

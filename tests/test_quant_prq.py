@@ -9,7 +9,7 @@ from hypothesis import strategies as st
 from triton_env import check_means, check_near_ties
 
 from pagedqvg.quant import FP8_DTYPE, PackedFormat, PRQSegment, QuantConfig, prq_dequantize, prq_quantize
-from pagedqvg.quant.prq import _assign, _block_quantize, _update
+from pagedqvg.quant.prq import _block_quantize, assign_nearest, update_means
 from pagedqvg.synthetic import relative_error, video_kv
 
 INT2 = QuantConfig(bits=2)
@@ -275,11 +275,11 @@ def test_deterministic_bytes(kv) -> None:
 
 
 def test_tiling_does_not_change_result(kv, monkeypatch) -> None:
-    """The token tiles of `_assign` / `_update` (at most `_TILE_ELEMS` floats at once; here 7 tokens, the last tile
-    partial) change no result: where the arithmetic is exact (dyadic data: every distance and sum is exact in any
-    order) ids and means are identical, ties included; on real K/V, where another tile shape may make the BLAS sum
-    in another order, ids differ only at verified fp32 near-ties and the means stay within the summation bound of
-    the exact means. A tile lost, repeated or misplaced breaks either check."""
+    """The token tiles of `assign_nearest` / `update_means` (at most `_TILE_ELEMS` floats at once; here 7 tokens, the
+    last tile partial) change no result: where the arithmetic is exact (dyadic data: every distance and sum is exact in
+    any order) ids and means are identical, ties included; on real K/V, where another tile shape may make the BLAS sum
+    in another order, ids differ only at verified fp32 near-ties and the means stay within the summation bound of the
+    exact means. A tile lost, repeated or misplaced breaks either check."""
     import pagedqvg.quant.prq as prq
 
     gen = torch.Generator().manual_seed(5)
@@ -290,9 +290,9 @@ def test_tiling_does_not_change_result(kv, monkeypatch) -> None:
     xd[:, :3] = cd[:, 2:3]
     xr = kv[0][:S].float().transpose(0, 1).contiguous()  # [H, S, D] real K
     cr = xr[:, torch.randperm(S, generator=gen)[:K]].contiguous()
-    whole = [(_assign(x, c), _update(x, _assign(x, c), c)) for x, c in ((xd, cd), (xr, cr))]
+    whole = [(assign_nearest(x, c), update_means(x, assign_nearest(x, c), c)) for x, c in ((xd, cd), (xr, cr))]
     monkeypatch.setattr(prq, "_TILE_ELEMS", H * K * 7)  # 7-token tiles
-    tiled = [(_assign(x, c), _update(x, _assign(x, c), c)) for x, c in ((xd, cd), (xr, cr))]
+    tiled = [(assign_nearest(x, c), update_means(x, assign_nearest(x, c), c)) for x, c in ((xd, cd), (xr, cr))]
     assert torch.equal(whole[0][0], tiled[0][0]) and torch.equal(whole[0][1], tiled[0][1])
     assert not (whole[0][0] == 5).any() and bool((whole[0][0][:, :3] == 2).all())
     check_near_ties(xr, cr, whole[1][0], tiled[1][0])
@@ -326,9 +326,9 @@ def test_warm_start(kv) -> None:
 def test_kmeans_ties_lowest_index_and_empty_keeps_centroid() -> None:
     x = torch.tensor([[[0.0, 0.0], [2.0, 0.0], [4.0, 0.0], [10.0, 0.0]]])  # [H=1, S=4, D=2]
     c = torch.tensor([[[1.0, 0.0], [3.0, 0.0], [3.0, 0.0], [50.0, 0.0]]])
-    ids = _assign(x, c)
+    ids = assign_nearest(x, c)
     assert ids.tolist() == [[0, 0, 1, 1]]  # x=2 is equidistant from 1 and 3 -> 0; duplicates of 3 -> first
-    new = _update(x, ids, c)
+    new = update_means(x, ids, c)
     assert new.tolist() == [[[1.0, 0.0], [7.0, 0.0], [3.0, 0.0], [50.0, 0.0]]]  # 2 and 3 empty: kept
 
 

@@ -22,13 +22,7 @@ from pathlib import Path
 
 import torch
 
-from pagedqvg.kernels.kmeans import (
-    distance_error_bound,
-    exact_means,
-    kmeans_assign_torch,
-    kmeans_update_torch,
-    update_error_bound,
-)
+from pagedqvg.kernels.kmeans import distance_error_bound, kmeans_assign_torch, kmeans_update_torch
 
 CUDA = torch.cuda.is_available()
 if not CUDA and "triton" not in sys.modules:
@@ -142,8 +136,30 @@ def check_near_ties(x: torch.Tensor, c: torch.Tensor, ids_a: torch.Tensor, ids_b
     return int(diff.sum())
 
 
+def _cluster_means64(values: torch.Tensor, ids: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """float64 per-cluster means `[H, K, D]` of `values` `[H, S, D]` grouped by `ids` (empty clusters: 0) and the
+    cluster sizes `[H, K, 1]`."""
+    onehot = torch.zeros(*ids.shape, k, dtype=torch.float64, device=values.device).scatter_(2, ids[..., None], 1.0)
+    counts = onehot.sum(1)[..., None]
+    return torch.bmm(onehot.transpose(1, 2), values.double()) / counts.clamp(min=1.0), counts
+
+
+def update_error_bound(x: torch.Tensor, ids: torch.Tensor, c_old: torch.Tensor) -> torch.Tensor:
+    """Per (h, k, d) bound on |computed mean - exact mean| for any fp32 summation order (float64 [H, K, D]; the
+    contract of kernels/kmeans.py): a sum of n terms is off by at most (n - 1) * 2^-24 * sum |x|, the division adds
+    half an ulp."""
+    mean_abs, counts = _cluster_means64(x.abs(), ids, c_old.shape[1])
+    return (counts - 1).clamp(min=0) * 2.0**-24 * mean_abs + 2.0**-24 * mean_abs
+
+
+def exact_means(x: torch.Tensor, ids: torch.Tensor, c_old: torch.Tensor) -> torch.Tensor:
+    """Cluster means in float64 (empty clusters: c_old)."""
+    means, counts = _cluster_means64(x, ids, c_old.shape[1])
+    return torch.where(counts > 0, means, c_old.double())
+
+
 def check_means(x: torch.Tensor, ids: torch.Tensor, c_old: torch.Tensor, *means: torch.Tensor) -> None:
-    """The update contract: each of `means` [H, K, D] lies within `kmeans.update_error_bound` of the exact (fp64)
+    """The update contract: each of `means` [H, K, D] lies within `update_error_bound` of the exact (fp64)
     cluster means, and empty clusters keep `c_old` exactly."""
     x, ids, c_old = x.cpu(), ids.cpu(), c_old.cpu()
     exact, bound = exact_means(x, ids, c_old), update_error_bound(x, ids, c_old)

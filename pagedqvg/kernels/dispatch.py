@@ -106,10 +106,9 @@ def _triton(device: torch.device):
             f"PAGEDQVG_KERNELS=triton but the Triton kernels cannot be imported ({err}); install triton or set "
             f"PAGEDQVG_KERNELS=torch"
         )
-    from .triton_common import is_interpreted
-    from .triton_view_build import _view_build_kernel
+    from .triton_view_build import kernels_interpreted
 
-    if device.type != "cuda" and not is_interpreted(_view_build_kernel):
+    if device.type != "cuda" and not kernels_interpreted():
         raise RuntimeError(
             f"Triton kernels on {device.type} tensors run in Triton's interpreter, which needs TRITON_INTERPRET=1 in "
             f"the environment before triton and pagedqvg's Triton kernels are imported; set it at process start, "
@@ -170,7 +169,7 @@ def kmeans_assign(x, c):
 
 def kmeans_update(x, ids, c_old):
     """Cluster means float32 [H, K, D] of x [H, S, D] by ids int64 [H, S]; empty clusters keep c_old (see kmeans.py;
-    Triton sums in another fixed order: equal within `kmeans.update_error_bound`)."""
+    Triton sums in another fixed order: equal within the bound in kernels/kmeans.py)."""
     if kernel_backend(x.device) == "triton":
         if os.environ.get("PAGEDQVG_KERNEL_CHECKS", "0") == "1" and ids.numel():
             lo, hi = int(ids.min()), int(ids.max())

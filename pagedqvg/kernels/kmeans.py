@@ -1,8 +1,8 @@
 """The two steps of PRQ's k-means: assignment (nearest centroid by squared L2, ties to the lowest index) and
 update (cluster means; an empty cluster keeps its centroid).
 
-The torch reference is `quant.prq._assign` itself (the quantizer's own code, so the two can never drift apart): it
-ranks centroids by `||c||^2 - 2 x.c` (dropping the per-token constant `||x||^2`), computed with one batched matmul
+The torch reference is `quant.prq.assign_nearest` itself (the quantizer's own code, so the two can never drift apart):
+it ranks centroids by `||c||^2 - 2 x.c` (dropping the per-token constant `||x||^2`), computed with one batched matmul
 per token tile, and takes `argmin` (first minimum). The Triton kernel (triton_kmeans.py) evaluates the same expression
 tile by tile with a running argmin, never materialising the `[S, K]` distances.
 
@@ -10,14 +10,18 @@ Exactness: the distances are sums of D products, and fp32 addition is not associ
 whatever the BLAS behind `torch.baddbmm` (and `sum`) picks for the shapes at hand; the kernel's is `tl.dot`'s. So
 ids agree exactly whenever the computation is exact (e.g. small integers times powers of two) or the two best
 centroids are more than a few rounding errors apart; where the two best distances are within the fp32 error bound
-of their evaluation (`(D + 2) * 2^-24 * (||c||^2 + 2 sum_i |x_i c_i|)` each), either centroid may be chosen.
+of their evaluation (`(D + 2) * 2^-24 * (||c||^2 + 2 sum_i |x_i c_i|)` each, `distance_error_bound`), either
+centroid may be chosen. The update (`quant.prq.update_means`) sums the same fp32 values in the BLAS's order, the
+kernel in its own fixed tile order: each mean is within `(n - 1) * 2^-24 * mean|x| + 2^-24 * mean|x|` of the exact
+mean of its n members (a sum of n terms is off by at most (n - 1) * 2^-24 * sum |x|, the division adds half an ulp;
+the tests check it, tests/triton_env.py), and equal wherever the sums are exact.
 """
 
 from __future__ import annotations
 
 import torch
 
-from ..quant.prq import _assign, _update
+from ..quant.prq import assign_nearest, update_means
 
 
 def check_kmeans_assign(x: torch.Tensor, c: torch.Tensor) -> None:
@@ -33,9 +37,10 @@ def check_kmeans_assign(x: torch.Tensor, c: torch.Tensor) -> None:
 
 
 def kmeans_assign_torch(x: torch.Tensor, c: torch.Tensor) -> torch.Tensor:
-    """Reference: `quant.prq._assign`. x [H, S, D], c [H, K, D] float32 -> int64 [H, S] (nearest centroid id)."""
+    """Reference: `quant.prq.assign_nearest`. x [H, S, D], c [H, K, D] float32 -> int64 [H, S] (nearest centroid
+    id)."""
     check_kmeans_assign(x, c)
-    return _assign(x, c)
+    return assign_nearest(x, c)
 
 
 def check_kmeans_update(x: torch.Tensor, ids: torch.Tensor, c_old: torch.Tensor) -> None:
@@ -47,35 +52,15 @@ def check_kmeans_update(x: torch.Tensor, ids: torch.Tensor, c_old: torch.Tensor)
 
 
 def kmeans_update_torch(x: torch.Tensor, ids: torch.Tensor, c_old: torch.Tensor) -> torch.Tensor:
-    """Reference: `quant.prq._update`. Cluster means float32 [H, K, D] of x [H, S, D] grouped by ids int64 [H, S]
+    """Reference: `quant.prq.update_means`. Cluster means float32 [H, K, D] of x [H, S, D] grouped by ids int64 [H, S]
     (0..K-1); empty clusters keep `c_old`. Deterministic (one-hot matmuls in a fixed tile order, no atomics)."""
     check_kmeans_update(x, ids, c_old)
-    return _update(x, ids, c_old)
-
-
-def _cluster_means64(values: torch.Tensor, ids: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """float64 per-cluster means `[H, K, D]` of `values` `[H, S, D]` grouped by `ids` (empty clusters: 0) and the
-    cluster sizes `[H, K, 1]`."""
-    onehot = torch.zeros(*ids.shape, k, dtype=torch.float64, device=values.device).scatter_(2, ids[..., None], 1.0)
-    counts = onehot.sum(1)[..., None]
-    return torch.bmm(onehot.transpose(1, 2), values.double()) / counts.clamp(min=1.0), counts
-
-
-def update_error_bound(x: torch.Tensor, ids: torch.Tensor, c_old: torch.Tensor) -> torch.Tensor:
-    """Per (h, k, d) bound on |computed mean - exact mean| for any fp32 summation order (float64 [H, K, D], for
-    tests): a sum of n terms is off by at most (n - 1) * 2^-24 * sum |x|, the division adds half an ulp."""
-    mean_abs, counts = _cluster_means64(x.abs(), ids, c_old.shape[1])
-    return (counts - 1).clamp(min=0) * 2.0**-24 * mean_abs + 2.0**-24 * mean_abs
-
-
-def exact_means(x: torch.Tensor, ids: torch.Tensor, c_old: torch.Tensor) -> torch.Tensor:
-    """Cluster means in float64 (empty clusters: c_old), for tests."""
-    means, counts = _cluster_means64(x, ids, c_old.shape[1])
-    return torch.where(counts > 0, means, c_old.double())
+    return update_means(x, ids, c_old)
 
 
 def distance_error_bound(x: torch.Tensor, c: torch.Tensor) -> torch.Tensor:
-    """Per (h, s, k) bound on the fp32 rounding error of `||c||^2 - 2 x.c` (float64 [H, S, K], for tests)."""
+    """Per (h, s, k) bound on the fp32 rounding error of `||c||^2 - 2 x.c`, float64 [H, S, K]: where two centroids'
+    distances are within the sum of their bounds, the backends may pick either (tests, bench_kernels_cuda)."""
     x64, c64 = x.double(), c.double()
     d = x.shape[2]
     mag = (c64 * c64).sum(-1)[:, None, :] + 2.0 * torch.bmm(x64.abs(), c64.abs().transpose(1, 2))

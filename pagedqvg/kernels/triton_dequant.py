@@ -39,8 +39,8 @@ from .triton_common import NUM_WARPS, cdiv, is_interpreted, tile_for
 
 _RUNTIME = ["num_tokens", "batch", "num_heads", "head_start", "heads", "head_blocks", "cb_rows_per_page"]
 
-#: OUT_KIND constexpr per cache dtype.
-_OUT_KIND = {torch.float32: 0, torch.float16: 1, torch.bfloat16: 2}
+#: OUT_KIND constexpr per cache dtype (shared by every kernel that writes cache-dtype views).
+OUT_KIND = {torch.float32: 0, torch.float16: 1, torch.bfloat16: 2}
 #: CODE_KIND constexpr: 4-bit codes, 2-bit codes, base-3 trits (5 per byte).
 INT4, INT2, TRITS = 0, 1, 2
 
@@ -185,7 +185,8 @@ def _packed_dequant_kernel(
     tl.store(optr, res, mask=mask3)
 
 
-def _code_kind(fmt: PackedFormat) -> int:
+def code_kind(fmt: PackedFormat) -> int:
+    """The CODE_KIND constexpr of `fmt` (INT4, INT2 or TRITS; shared with the residual-pack kernel)."""
     if fmt.cfg.pack_trits:
         return TRITS
     return INT4 if fmt.bits == 4 else INT2
@@ -194,9 +195,9 @@ def _code_kind(fmt: PackedFormat) -> int:
 def format_constants(fmt: PackedFormat) -> dict:
     """The `tl.constexpr` arguments of `packed_tile` for a PRQ format (layer constants)."""
     return dict(
-        CODE_KIND=_code_kind(fmt), ASYM=bool(fmt.cfg.asymmetric), QMAX=fmt.qmax, BLOCK_SIZE=fmt.cfg.block_size,
+        CODE_KIND=code_kind(fmt), ASYM=bool(fmt.cfg.asymmetric), QMAX=fmt.qmax, BLOCK_SIZE=fmt.cfg.block_size,
         STAGES=fmt.cfg.stages, PER_HEAD_BYTES=fmt.per_head_bytes, SCALES_OFFSET=fmt.scales_offset,
-        ZEROS_OFFSET=fmt.zeros_offset, IDS_OFFSET=fmt.ids_offset, OUT_KIND=_OUT_KIND[fmt.dtype],
+        ZEROS_OFFSET=fmt.zeros_offset, IDS_OFFSET=fmt.ids_offset, OUT_KIND=OUT_KIND[fmt.dtype],
         CB_FP8=bool(fmt.cfg.codebook_fp8),
     )  # fmt: skip
 

@@ -16,7 +16,7 @@ Update. Grid: `(cdiv(K, BLOCK_K), H)`. Program `(j, h)` owns centroids `[j * BLO
 and walks the tokens in order, `BLOCK_S` at a time: a `[BLOCK_K, BLOCK_S]` one-hot tile of the ids times the
 `[BLOCK_S, D]` token tile (`tl.dot`, IEEE fp32) is added to the `[BLOCK_K, D]` sums, the one-hot row sums to the
 counts. No atomics and a fixed order, so the result is deterministic (the same bits on every run); the order differs
-from the reference's BLAS order, so means agree within `kmeans.update_error_bound` (exactly where sums are exact).
+from the reference's BLAS order, so means agree within the bound in kernels/kmeans.py (exactly where sums are exact).
 The mean is an IEEE division (`div_rn`), an empty cluster keeps its old centroid.
 
 Compile-time constants: `HEAD_DIM` and the tiles; the token count `S` and the centroid count `K` are runtime and not

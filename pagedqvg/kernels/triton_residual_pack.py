@@ -36,7 +36,7 @@ from ..quant import PackedFormat
 from ..quant.prq import FIT_ONE, FIT_STEPS
 from .residual_pack import check_residual_pack
 from .triton_common import NUM_WARPS, cdiv, is_interpreted, next_pow2
-from .triton_dequant import _code_kind
+from .triton_dequant import code_kind
 
 #: Tokens per program (compiled / interpreted), and the most [token, code byte, block] select elements per compiled
 #: program (ptxas, sm_90, 4 warps: no spills for the SGLang formats at D=128, nor int4-asym block 32 at D=256).
@@ -198,7 +198,7 @@ def residual_pack_launch(
         page_idx.contiguous(), slot_idx.contiguous(), S,
     )  # fmt: skip
     kwargs = dict(
-        HEAD_DIM=D, BLOCK_R=block_r, CODE_KIND=_code_kind(fmt), ASYM=bool(cfg.asymmetric), QMAX=fmt.qmax,
+        HEAD_DIM=D, BLOCK_R=block_r, CODE_KIND=code_kind(fmt), ASYM=bool(cfg.asymmetric), QMAX=fmt.qmax,
         BLOCK_SIZE=cfg.block_size, NUM_BLOCKS=fmt.num_blocks, BLOCK_NB=block_nb,
         BLOCK_BS=next_pow2(cfg.block_size), CODE_BYTES=fmt.code_bytes, BLOCK_CB=block_cb,
         STAGES=cfg.stages, BLOCK_ST=next_pow2(cfg.stages), PER_HEAD_BYTES=fmt.per_head_bytes,

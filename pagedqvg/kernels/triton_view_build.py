@@ -101,6 +101,12 @@ def view_build_launch(
     return _view_build_kernel, grid, args, kwargs
 
 
+def kernels_interpreted() -> bool:
+    """Whether this process's Triton kernels run in Triton's CPU interpreter (decided by `TRITON_INTERPRET` when the
+    kernel modules were imported)."""
+    return is_interpreted(_view_build_kernel)
+
+
 def view_build_triton(
     rows: torch.Tensor,
     page_idx: torch.Tensor,

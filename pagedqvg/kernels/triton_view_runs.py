@@ -33,7 +33,7 @@ import triton.language as tl
 
 from ..quant import PackedFormat
 from .triton_common import NUM_WARPS, cdiv, is_interpreted, tile_for
-from .triton_dequant import _OUT_KIND, format_constants, kernel_codebooks, packed_tile
+from .triton_dequant import OUT_KIND, format_constants, kernel_codebooks, packed_tile
 from .view_runs import RUN_COLUMNS, check_view_runs
 
 _RUNTIME = ["num_tokens", "batch", "num_heads", "head_start", "heads", "dense_tpp", "cb_rows_per_page"]
@@ -144,7 +144,7 @@ def view_runs_launch(
         )
     if fmt is None:  # no packed sources: placeholders the kernel never reads
         tokens_a, codebooks_a, cb_pages_a, cb_rpp = (rows, 0, 0, 0, 0), (rows, 0, 0, 0, 0), runs, 1
-        fmt_kw = dict(_NO_FORMAT, OUT_KIND=_OUT_KIND[rows.dtype])
+        fmt_kw = dict(_NO_FORMAT, OUT_KIND=OUT_KIND[rows.dtype])
     else:
         assert tokens is not None and codebooks is not None and cb_pages is not None
         codebooks = kernel_codebooks(codebooks)

@@ -50,8 +50,9 @@ from dataclasses import dataclass
 
 import torch
 
+from ..validation import SUPPORTED_DTYPES
 from .config import QuantConfig
-from .format import CACHE_DTYPES, FP8_DTYPE, FP8_MAX, PackedFormat
+from .format import FP8_DTYPE, FP8_MAX, PackedFormat
 
 #: Most floats in one distance (or one-hot) tile: 4 Mi floats = 16 MiB, i.e. ~410 tokens at 40 heads x 256 centroids.
 _TILE_ELEMS = 1 << 22
@@ -173,19 +174,19 @@ def prq_kmeans(
 
     Args:
         x, cfg, init_centroids: as `prq_quantize`.
-        assign, update: the k-means steps (default: this module's torch `_assign` / `_update`). The cache passes
-            the dispatching versions (kernels/dispatch.py: Triton on CUDA), which may pick the other centroid of a
-            near-tie (kernels/kmeans.py) and round centroid sums in another order.
+        assign, update: the k-means steps (default: this module's torch `assign_nearest` / `update_means`). The
+            cache passes the dispatching versions (kernels/dispatch.py: Triton on CUDA), which may pick the other
+            centroid of a near-tie (kernels/kmeans.py) and round centroid sums in another order.
 
     Raises:
         ValueError: as `prq_quantize` (nothing is computed for a bad input).
     """
-    assign = assign or _assign
-    update = update or _update
+    assign = assign or assign_nearest
+    update = update or update_means
     if not isinstance(x, torch.Tensor) or x.dim() != 3:
         raise ValueError(f"prq_quantize: x must be a [S, H, D] tensor, got {getattr(x, 'shape', type(x))}")
-    if x.dtype not in CACHE_DTYPES:
-        raise ValueError(f"prq_quantize: x.dtype={x.dtype}; allowed: {', '.join(map(str, CACHE_DTYPES))}")
+    if x.dtype not in SUPPORTED_DTYPES:
+        raise ValueError(f"prq_quantize: x.dtype={x.dtype}; allowed: {', '.join(map(str, SUPPORTED_DTYPES))}")
     S, H, D = x.shape
     fmt = PackedFormat(head_dim=D, num_heads=H, cfg=cfg, dtype=x.dtype)
     _check_finite("x", x, ("token", "head", "channel"))
@@ -238,8 +239,9 @@ def pack_residual_rows(resid: torch.Tensor, ids: torch.Tensor, fmt: PackedFormat
     return fmt.pack_token_rows(codes, scales, zeros, ids.transpose(0, 1))
 
 
-def _assign(x: torch.Tensor, c: torch.Tensor) -> torch.Tensor:
-    """Nearest centroid by squared L2 (ties -> lowest index). x [H, S, D], c [H, K, D] fp32 -> int64 [H, S]."""
+def assign_nearest(x: torch.Tensor, c: torch.Tensor) -> torch.Tensor:
+    """k-means assignment step, the torch reference: nearest centroid by squared L2 (ties -> lowest index).
+    x [H, S, D], c [H, K, D] float32 -> int64 [H, S]. No input checks (see `kernels.kmeans.kmeans_assign_torch`)."""
     H, S, _ = x.shape
     K = c.shape[1]
     cn = (c * c).sum(-1)[:, None, :]  # [H, 1, K]
@@ -253,8 +255,10 @@ def _assign(x: torch.Tensor, c: torch.Tensor) -> torch.Tensor:
     return out
 
 
-def _update(x: torch.Tensor, ids: torch.Tensor, c_old: torch.Tensor) -> torch.Tensor:
-    """Cluster means in fp32 (one-hot matmul per token tile, fixed order); empty clusters keep `c_old`."""
+def update_means(x: torch.Tensor, ids: torch.Tensor, c_old: torch.Tensor) -> torch.Tensor:
+    """k-means update step, the torch reference: cluster means float32 [H, K, D] of x [H, S, D] grouped by ids int64
+    [H, S] (one-hot matmul per token tile, fixed order); empty clusters keep `c_old`. No input checks (see
+    `kernels.kmeans.kmeans_update_torch`)."""
     H, S, _ = x.shape
     K = c_old.shape[1]
     sums = torch.zeros_like(c_old)
