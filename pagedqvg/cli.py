@@ -43,6 +43,7 @@ from .presets import (
     shape_text,
 )
 from .quant.config import SGLANG_KEYS, QuantConfig
+from .validation import PAGE_ALIGN_BYTES, check_int
 
 PLAN_SCHEMA = "pagedqvg.plan/2"
 DEFAULT_OUT_DIR = "./pagedqvg-out"
@@ -130,9 +131,8 @@ def _int(minimum: int):
             value = int(text)
         except ValueError:
             raise argparse.ArgumentTypeError(f"{text!r} is not an integer (must be >= {minimum})") from None
-        if value < minimum:
-            raise argparse.ArgumentTypeError(f"{value} is out of range; must be an integer >= {minimum}")
-        return value
+        message = "{value} is out of range; must be an integer >= {minimum}"
+        return check_int("value", value, minimum=minimum, error=argparse.ArgumentTypeError, message=message)
 
     parse.__name__ = f"int>={minimum}"
     return parse
@@ -161,8 +161,8 @@ _QUANT_FLAGS: tuple[tuple[str, str, dict], ...] = (
     ("--kv-cache-quant-block-size", "channels per fp8 scale; divides head_dim (default 64)", {}),
     ("--kv-cache-quant-stages", "residual k-means stages (default 1)", {}),
     ("--kv-cache-quant-iters", "k-means iterations per stage (default 2)", {}),
-    ("--kv-cache-quant-keep-recent", "completed chunks kept in bf16 (default 1)", {}),
-    ("--kv-cache-quant-sink-keep", "sink chunks kept in bf16 when the sink is packed (default 0)", {}),
+    ("--kv-cache-quant-keep-recent", "completed chunks kept dense, in the cache dtype (default 1)", {}),
+    ("--kv-cache-quant-sink-keep", "sink chunks kept dense when the sink is packed (default 0)", {}),
     ("--kv-cache-quant-asymmetric", "per-block scale and zero (default false)", {"nargs": "?", "const": "true"}),
     ("--kv-cache-quant-sink", "pack sink chunks too (default true)", {"nargs": "?", "const": "true"}),
     ("--kv-cache-quant-seed", "k-means seed (default 1234)", {}),
@@ -225,8 +225,8 @@ def _add_common(p: argparse.ArgumentParser, default_preset: str) -> None:
     g.add_argument(
         "--page-bytes",
         type=_size("--page-bytes", example="2MiB", auto=True),
-        help="pool page size, a multiple of 256 B, or auto (default): the size whose pages waste least for the "
-        "record sizes of every segment kind in use (<= 0.5%% per kind where reachable)",
+        help=f"pool page size, a multiple of {PAGE_ALIGN_BYTES} B, or auto (default): the size whose pages waste "
+        "least for the record sizes of every segment kind in use (<= 0.5%% per kind where reachable)",
     )
     g.add_argument("--cache-sets", type=_int(1), help="cache sets per session (2 with classifier-free guidance)")
     g.add_argument("--sessions", type=_int(1), help="concurrent sessions sharing the pool (default 1)")
@@ -257,7 +257,7 @@ def build_parser() -> argparse.ArgumentParser:
     plan = sub.add_parser(
         "plan",
         help="steady-state memory per layer and for all layers; what fits a budget",
-        description="Exact steady-state bytes (dense bf16, paged bf16, packed) from the page and segment layout; "
+        description="Exact steady-state bytes (dense cache, paged dense, packed) from the page and segment layout; "
         "with --budget or --memory-fraction, the largest window that fits for each quantization setting.",
     )
     _add_common(plan, DEFAULT_PLAN_PRESET)
@@ -496,9 +496,10 @@ def _n(x: int) -> str:
     return f"{x:,}"
 
 
-def _segment_pages_text(s: dict) -> str:
+def _segment_pages_text(s: dict, dtype: str) -> str:
+    """One setting's pages of one chunk-sized segment; dense segments are labelled with the cache `dtype`."""
     if s["mode"] == "off":
-        return f"bf16 {s['segment_pages']['bf16']} pages"
+        return f"{dtype} {s['segment_pages']['bf16']} pages"
     return f"{s['mode']} {s['segment_pages']['packed']} pages"
 
 
@@ -671,6 +672,7 @@ def format_plan(doc: dict[str, object]) -> str:
     settings = doc["settings"]
     assert isinstance(settings, list)
     wl = Workload(**{k: v for k, v in w.items() if k != "quant"})
+    dt = str(w["dtype"])  # the label of dense (unquantized) rows and segments: bf16, fp16 or fp32
     lines = [
         f"pagedqvg plan: {w['name']}"
         + (f" ({w['description']})" if w.get("description") else "")
@@ -694,8 +696,8 @@ def format_plan(doc: dict[str, object]) -> str:
         f"  window  {_n(g['window_tokens'])} tokens ({g['window_tokens'] / tpf:g} frames, current chunk included);"
         f" cache_size C = {_n(g['cache_size_tokens'])} slots; attention window W = "
         f"{_n(g['attention_window_tokens'])}",
-        f"  pages   bf16 token row {_n(g['dense_row_bytes'])} B (K or V); one chunk segment: "
-        + ", ".join(f"{_segment_pages_text(s)} of {format_bytes(s['page_bytes'])}" for s in settings)
+        f"  pages   {dt} token row {_n(g['dense_row_bytes'])} B (K or V); one chunk segment: "
+        + ", ".join(f"{_segment_pages_text(s, dt)} of {format_bytes(s['page_bytes'])}" for s in settings)
         + ("" if w["page_bytes"] is not None else " (auto page size per setting)"),
         "",
     ]
@@ -714,7 +716,7 @@ def format_plan(doc: dict[str, object]) -> str:
     rows = [header]
     rows.append(
         (
-            "dense bf16 (reference)",
+            f"dense {dt} (reference)",
             "-",
             "-",
             "-",
@@ -729,12 +731,12 @@ def format_plan(doc: dict[str, object]) -> str:
     for s in settings:
         per, allb = s["per_layer"], s["all_layers"]
         mark = " *" if s["mode"] == doc["selected"] else ""
-        name = "paged bf16" if s["mode"] == "off" else f"paged {s['mode']}"
+        name = f"paged {dt}" if s["mode"] == "off" else f"paged {s['mode']}"
         waste = per["waste_bytes"] / per["bytes"] if per["bytes"] else 0.0
         segs = (
-            f"{per['bf16_segments']} bf16"
+            f"{per['bf16_segments']} {dt}"
             if not per["packed_segments"]
-            else f"{per['bf16_segments']} bf16 + {per['packed_segments']} packed"
+            else f"{per['bf16_segments']} {dt} + {per['packed_segments']} packed"
         )
         rows.append(
             (
@@ -766,7 +768,7 @@ def format_plan(doc: dict[str, object]) -> str:
         f"  transient view: {_n(view['transient_view_tokens'])} tokens = {format_bytes(view['transient_view_bytes'])}"
         " per call, one layer at a time, outside the pool",
         "  budget needed = pool pages x page size + one transient view",
-        f"  * selected quantization ({doc['selected']}); vs dense = dense bf16 bytes / paged bytes; waste = page "
+        f"  * selected quantization ({doc['selected']}); vs dense = dense {dt} bytes / paged bytes; waste = page "
         "tails + rows of evicted tokens in retained segments",
     ]
     budget = doc.get("budget")
@@ -784,7 +786,7 @@ def format_plan(doc: dict[str, object]) -> str:
             f"({sessions} session(s)), and sessions that fit at this window",
         ]
         for r in budget["fits"]:
-            name = "bf16" if r["mode"] == "off" else r["mode"]
+            name = dt if r["mode"] == "off" else r["mode"]
             at = f"at {g['window_tokens'] / tpf:g} frames"
             fit = f"{r['max_sessions']} session(s) {at}" if r["max_sessions"] else f"no session fits {at}"
             if r["max_window_frames"] is None:
@@ -849,13 +851,13 @@ def format_summary(s: dict[str, object]) -> str:
     row("transient view (max)", "max_view_bytes", "transient_view_bytes")
     rows.append(
         (
-            "bf16 / packed segments",
+            f"{w['dtype']} / packed segments",
             f"{format_bytes(int(m['bf16_bytes']))} / {format_bytes(int(m['packed_bytes']))}",
             "",
             "",
         )
     )
-    rows.append(("dense bf16 cache (reference)", "", format_bytes(int(p["dense_bf16_bytes"])), ""))
+    rows.append((f"dense {w['dtype']} cache (reference)", "", format_bytes(int(p["dense_bf16_bytes"])), ""))
     widths = [max(len(r[i]) for r in rows) for i in range(4)]
     for r in rows:
         lines.append("  " + "  ".join(c.ljust(widths[0]) if i == 0 else c.rjust(widths[i]) for i, c in enumerate(r)))

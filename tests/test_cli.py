@@ -39,6 +39,19 @@ def test_plan_table(capsys, preset: str) -> None:
         assert text in out
 
 
+def test_dense_rows_are_labelled_with_the_cache_dtype(capsys) -> None:
+    """Dense (unquantized) rows and segments carry the cache dtype's name in the tables: never bf16 for fp32."""
+    code, out, err = run(capsys, "plan", "--preset", "lingbot-world-mini", "--dtype", "fp32", "--budget", "64MiB")
+    assert code == 0 and err == ""
+    for text in ("fp32 token row 1,024 B", "dense fp32 (reference)", "paged fp32 *", " 7 fp32 ", "2 fp32 + 5 packed",
+                 "dense = dense fp32 bytes", "\n    fp32 "):
+        assert text.replace("\\n", "\n") in out, text
+    assert "bf16" not in out
+    code, out, err = run(capsys, "simulate", *TINY_SIM, "--dtype", "fp32", "--dry-run")
+    assert code == 0
+    assert "fp32 / packed segments" in out and "dense fp32 cache (reference)" in out and "bf16" not in out
+
+
 def _is_int(x: object) -> bool:
     return isinstance(x, int) and not isinstance(x, bool)
 
