@@ -164,7 +164,7 @@ AUTO_PAGE_MAX_BYTES = 4 << 20
 @dataclass(frozen=True, slots=True)
 class SegmentShape:
     """One kind of segment a cache stores: row regions `(record_bytes, records)`, each on its own pages, whole
-    records per page. A bf16 chunk: one region of tokens (`2 * B * H * D * itemsize` bytes per token); a packed
+    records per page. A dense chunk: one region of tokens (`2 * B * H * D * itemsize` bytes per token); a packed
     chunk: its token region (`2 * B * token_row_bytes` per token) and its codebook region (one row per table)."""
 
     name: str
@@ -194,8 +194,9 @@ class SegmentShape:
 def segment_kinds(
     batch_size: int, num_heads: int, head_dim: int, itemsize: int, chunk_tokens: int, packed_format=None
 ) -> tuple[SegmentShape, ...]:
-    """The segment kinds a cache of this shape stores for chunks of `chunk_tokens` tokens: bf16 chunks, plus packed
-    chunks when `packed_format` (a `quant.format.PackedFormat`, duck-typed) is given."""
+    """The segment kinds a cache of this shape stores for chunks of `chunk_tokens` tokens: dense chunks (named "bf16",
+    whatever the dtype: the name is a key of `pagedqvg plan --json`'s `page_waste_by_kind`, schema pagedqvg.plan/2),
+    plus packed chunks when `packed_format` (a `quant.format.PackedFormat`, duck-typed) is given."""
     kinds = [SegmentShape("bf16", ((2 * batch_size * num_heads * head_dim * itemsize, chunk_tokens),))]
     if packed_format is not None:
         f = packed_format

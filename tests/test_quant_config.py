@@ -83,7 +83,8 @@ def test_describe() -> None:
     assert "off" in QuantConfig().describe()
     text = QuantConfig(bits=2, stages=2, asymmetric=True, sink=False).describe()
     assert "int2" in text and "asym" in text and "2 stages" in text and "128 centroids" in text
-    assert "sink kept bf16" in text and "\n" not in text
+    assert "sink kept dense" in text and "recent chunk(s) dense" in text and "\n" not in text and "bf16" not in text
+    assert QuantConfig().describe() == "KV quantization off (dense cache)"
     assert "trit-packed" in QuantConfig(bits=2, pack_trits=True).describe()
 
 

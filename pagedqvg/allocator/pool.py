@@ -161,7 +161,7 @@ class BlockPool:
     ) -> BlockPool:
         """A pool of `capacity_bytes` bytes for caches of this shape (`num_heads` heads of `head_dim` channels per
         cache, chunks of `chunk_tokens` tokens, `quant` a `QuantConfig` or None), with the page size `pagedqvg plan`
-        picks for it (`page_bytes="auto"`: `layout.choose_page_bytes` over the segment kinds in use: bf16 chunks and,
+        picks for it (`page_bytes="auto"`: `layout.choose_page_bytes` over the segment kinds in use: dense chunks and,
         with quantization on, packed chunks with their codebooks), or `page_bytes` bytes if an int is given.
         ValueError for a bad shape or quantization setting (nothing is allocated)."""
         if page_bytes == "auto":

@@ -2,7 +2,7 @@
 pagedqvg extensions `pack_trits`, `fit_scales`, `codebook_fp8`; `QuantConfig.compact()` combines them).
 
 Defaults are SGLang's: quantization off, 128 centroids, 64-channel scale blocks, 1 k-means stage, 2 k-means
-iterations, symmetric codes, the newest completed chunk kept in bf16, sink chunks packed (none kept in bf16).
+iterations, symmetric codes, the newest completed chunk kept dense, sink chunks packed (none kept dense).
 """
 
 from __future__ import annotations
@@ -13,7 +13,7 @@ from typing import Any
 
 from ..validation import check_int
 
-#: Allowed values of `QuantConfig.bits` (None = quantization off, bf16 cache).
+#: Allowed values of `QuantConfig.bits` (None = quantization off: a dense cache).
 ALLOWED_BITS: tuple[int | None, ...] = (None, 2, 4)
 #: Centroid ids are stored as uint8, so a stage has at most 256 centroids.
 MAX_CENTROIDS = 256
@@ -50,15 +50,15 @@ class QuantConfig:
     """PRQ settings of one cache. Invalid values raise `ValueError` at construction (see `validate`).
 
     Attributes:
-        bits: code width of the final residual, 2 or 4 bits per channel; None = quantization off (bf16 cache).
+        bits: code width of the final residual, 2 or 4 bits per channel; None = quantization off (a dense cache).
         centroids: k-means clusters per (head, stage), 1..256 (ids are uint8).
         block_size: channels sharing one fp8 scale (and zero); must divide head_dim.
         stages: residual k-means rounds, each adds one uint8 id per token-head and a `centroids x head_dim` table.
         kmeans_iters: assign/update iterations per stage.
         asymmetric: per-block scale and zero (min) instead of a symmetric scale.
-        keep_recent_chunks: completed non-sink chunks kept in bf16 (newest first) before packing.
+        keep_recent_chunks: completed non-sink chunks kept dense (newest first) before packing.
         sink: pack sink chunks too (beyond `sink_keep_chunks`).
-        sink_keep_chunks: sink chunks kept in bf16 when `sink` is on.
+        sink_keep_chunks: sink chunks kept dense when `sink` is on.
         seed: seed of the k-means initialisation (packing is deterministic for a seed).
         pack_trits: beyond the reference: symmetric int2 codes use only 3 levels {-1, 0, +1}, so pack 5 codes per
             byte in base 3 (ceil(D/5) code bytes instead of D/4). Same codes, same error, 17% fewer bytes per
@@ -185,17 +185,17 @@ class QuantConfig:
     def describe(self) -> str:
         """One line for logs, e.g. 'PRQ int2 sym, 128 centroids x 1 stage, block 64, 2 iters, ...'."""
         if not self.enabled:
-            return "KV quantization off (bf16 cache)"
+            return "KV quantization off (dense cache)"
         kind = "asym" if self.asymmetric else "sym"
         packing = ", trit-packed" if self.pack_trits else ""
         packing += ", fitted scales" if self.fit_scales else ""
         packing += ", fp8 codebooks" if self.codebook_fp8 else ""
         stage_word = "stage" if self.stages == 1 else "stages"
-        sink = f"sink packed (keep {self.sink_keep_chunks} bf16)" if self.sink else "sink kept bf16"
+        sink = f"sink packed (keep {self.sink_keep_chunks} dense)" if self.sink else "sink kept dense"
         return (
             f"PRQ {self.mode} {kind}{packing}, {self.centroids} centroids x {self.stages} {stage_word}, "
             f"block {self.block_size}, {self.kmeans_iters} k-means iters, seed {self.seed}; "
-            f"keep {self.keep_recent_chunks} recent chunk(s) bf16, {sink}"
+            f"keep {self.keep_recent_chunks} recent chunk(s) dense, {sink}"
         )
 
     # ------------------------------------------------------------------ parsing

@@ -63,7 +63,7 @@ class PackedFields:
 class PackedFormat:
     """Byte layout of packed PRQ segments for `num_heads` heads of `head_dim` channels (see the module docstring).
 
-    All sizes are in bytes. `dtype` is the cache dtype (bf16 rows, codebooks, dequantized output).
+    All sizes are in bytes. `dtype` is the cache dtype (of dense rows, codebooks, dequantized output).
     """
 
     head_dim: int
