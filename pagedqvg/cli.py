@@ -89,6 +89,7 @@ _SIZE_HINT = "units B, KiB, MiB, GiB, TiB (x1024) or KB, MB, GB, TB (x1000)"
 
 
 def _size_value(text: str) -> int:
+    """Bytes from `24GiB`, `1.5 GiB`, `512MB`, `2M` (binary), `4096` (any sign: `_size` checks the range)."""
     m = _SIZE_RE.fullmatch(text)
     unit = m.group(2).lower() if m else ""
     if not m or unit not in _SIZE_UNITS:
@@ -96,14 +97,6 @@ def _size_value(text: str) -> int:
             f"{text!r} is not a size; write e.g. 24GiB, 512MiB, 2MB or 4096 ({_SIZE_HINT})"
         )
     return int(float(m.group(1)) * _SIZE_UNITS[unit])
-
-
-def parse_size(text: str) -> int:
-    """Bytes from `24GiB`, `1.5 GiB`, `512MB`, `2M` (binary), `4096`; must be > 0. Raises ArgumentTypeError."""
-    value = _size_value(text)
-    if value <= 0:
-        raise argparse.ArgumentTypeError(f"{text!r}: a size must be > 0 bytes; write e.g. 24GiB")
-    return value
 
 
 def _size(flag: str, *, minimum: int = 1, example: str = "24GiB", auto: bool = False):
@@ -604,13 +597,6 @@ def resolve_budget(args: argparse.Namespace, w: Workload) -> dict[str, object] |
         "weights_source": wsource,
         "reserve_bytes": reserve,
     }
-
-
-def _page_text(geom: Geometry) -> str:
-    if geom.page_choice is None:
-        return f"{format_bytes(geom.page_bytes)} (--page-bytes)"
-    worst = geom.page_choice.worst
-    return f"{format_bytes(geom.page_bytes)} (auto: worst segment kind wastes {100 * worst:.2f}%)"
 
 
 def build_plan(

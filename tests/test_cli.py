@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from pagedqvg.cli import PLAN_SCHEMA, main, parse_size
+from pagedqvg.cli import PLAN_SCHEMA, _size, main
 from pagedqvg.presets import PRESETS, quant_as_dict
 from pagedqvg.quant.config import QuantConfig
 from pagedqvg.simulate import SUMMARY_SCHEMA, TIMELINE_FIELDS
@@ -351,11 +351,15 @@ def test_plan_sessions_and_ranks(capsys) -> None:
 
 
 def test_parse_size() -> None:
+    """The argparse type of the size flags (--budget, --page-bytes, --weights, --reserve)."""
+    parse_size, page_bytes = _size("--budget"), _size("--page-bytes", example="2MiB", auto=True)
     assert parse_size("24GiB") == 24 << 30
     assert parse_size("1.5 MiB") == 3 << 19
     assert parse_size("2MB") == 2_000_000
     assert parse_size("4096") == 4096
     assert parse_size("2M") == 2 << 20
+    assert page_bytes(" Auto ") == "auto" and page_bytes("64KiB") == 64 << 10
+    assert _size("--reserve", minimum=0)("0") == 0
 
 
 # ---------------------------------------------------------------------------------------------------- bad input

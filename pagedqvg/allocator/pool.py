@@ -223,10 +223,6 @@ class BlockPool:
     def num_free_pages(self) -> int:
         return len(self._free)
 
-    @property
-    def num_used_pages(self) -> int:
-        return self.num_pages - len(self._free)
-
     def pages_of(self, owner: str) -> int:
         """Pages held by `owner`. O(1)."""
         return self._owner_pages.get(owner, 0)
