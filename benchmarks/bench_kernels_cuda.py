@@ -48,6 +48,8 @@ from functools import partial
 
 import torch
 
+from pagedqvg.validation import DTYPES_BY_NAME
+
 
 @dataclass(frozen=True)
 class Shape:
@@ -76,7 +78,6 @@ TINY = (
     Shape("tiny-a", 5, 16, 12, 4, 1),
     Shape("tiny-b", 3, 24, 7, 3, 2, chunk_frames=2),
 )
-DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 #: --quant: QuantConfig keyword arguments (centroids and block size are set from the shape and --centroids).
 QUANTS = {
     "int2": {"bits": 2},
@@ -104,7 +105,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--device", default="cuda", help="cuda (default) or cpu (smoke test through the interpreter)")
     p.add_argument("--tiny", action="store_true", help="tiny shapes (for --device cpu smoke runs)")
     p.add_argument("--peak-gbps", type=float, default=4800.0, help="HBM peak in GB/s (default 4800 = H200)")
-    p.add_argument("--dtype", choices=sorted(DTYPES), default="bf16")
+    p.add_argument("--dtype", choices=sorted(DTYPES_BY_NAME), default="bf16")
     p.add_argument("--batch", type=int, default=1)
     p.add_argument("--page-bytes", type=int, default=None, help="pool page size (default 1 MiB; 2 KiB with --tiny)")
     p.add_argument("--iters", type=int, default=20)
@@ -140,7 +141,7 @@ def main(argv: list[str] | None = None) -> int:
         return 2
 
     # The kernels are imported only in bench_shape: TRITON_INTERPRET must be settled before triton decorates them.
-    dtype = DTYPES[args.dtype]
+    dtype = DTYPES_BY_NAME[args.dtype]
     shapes = TINY if args.tiny else SHAPES
     if args.models:
         wanted = set(args.models.split(","))

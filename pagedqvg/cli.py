@@ -33,7 +33,6 @@ from .presets import (
     DEFAULT_GPU_MEMORY_FRACTION,
     DEFAULT_PLAN_PRESET,
     DEFAULT_SIMULATE_PRESET,
-    DTYPES,
     GPUS,
     PRESETS,
     Workload,
@@ -43,7 +42,7 @@ from .presets import (
     shape_text,
 )
 from .quant.config import SGLANG_KEYS, QuantConfig
-from .validation import PAGE_ALIGN_BYTES, check_int
+from .validation import DTYPES_BY_NAME, PAGE_ALIGN_BYTES, check_int
 
 PLAN_SCHEMA = "pagedqvg.plan/2"
 DEFAULT_OUT_DIR = "./pagedqvg-out"
@@ -214,7 +213,7 @@ def _add_common(p: argparse.ArgumentParser, default_preset: str) -> None:
     g.add_argument("--scene-cut-every", type=_int(0), help="pin the current chunk every N chunks (0: never)")
     g.add_argument("--denoise-steps", type=_int(1), help="denoise steps per chunk (calls = steps + 1 clean pass)")
     g.add_argument("--batch-size", type=_int(1), help="batch size")
-    g.add_argument("--dtype", choices=sorted(DTYPES), help="cache dtype (default bf16)")
+    g.add_argument("--dtype", choices=sorted(DTYPES_BY_NAME), help="cache dtype (default bf16)")
     g.add_argument(
         "--page-bytes",
         type=_size("--page-bytes", example="2MiB", auto=True),

@@ -53,6 +53,7 @@ from dataclasses import dataclass, field
 import torch
 
 from .quant.config import QuantConfig
+from .validation import DTYPES_BY_NAME
 
 #: Bytes per parameter of bf16 weights.
 BF16_BYTES_PER_PARAM = 2
@@ -62,8 +63,6 @@ MINI_TOKENS_PER_FRAME = 256
 DEFAULT_SIMULATE_PRESET = "lingbot-world-mini"
 #: The preset `pagedqvg plan` uses when given no `--preset`.
 DEFAULT_PLAN_PRESET = "lingbot-world"
-
-DTYPES: dict[str, torch.dtype] = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 
 
 @dataclass(frozen=True, slots=True)
@@ -101,7 +100,7 @@ class Workload:
     @property
     def torch_dtype(self) -> torch.dtype:
         """The cache dtype as a torch dtype."""
-        return DTYPES[self.dtype]
+        return DTYPES_BY_NAME[self.dtype]
 
     @property
     def ranks(self) -> int:

@@ -11,8 +11,11 @@ import operator
 
 import torch
 
-#: The dtypes a cache (dense rows, packed segments' codebooks and dequantized views) can hold.
-SUPPORTED_DTYPES: tuple[torch.dtype, ...] = (torch.float32, torch.float16, torch.bfloat16)
+#: The dtypes a cache (dense rows, packed segments' codebooks and dequantized views) can hold, by the short name the
+#: CLI, the presets and the benchmarks use (`--dtype bf16`).
+DTYPES_BY_NAME: dict[str, torch.dtype] = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
+#: The same dtypes as a tuple (fp32, fp16, bf16), for membership checks and error messages.
+SUPPORTED_DTYPES: tuple[torch.dtype, ...] = tuple(DTYPES_BY_NAME.values())
 
 #: Pages are multiples of this many bytes, and page 0 of a pool starts on a multiple of it (bytes).
 PAGE_ALIGN_BYTES: int = 256

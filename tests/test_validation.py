@@ -7,6 +7,7 @@ import pytest
 import torch
 
 from pagedqvg.validation import (
+    DTYPES_BY_NAME,
     PAGE_ALIGN_BYTES,
     SUPPORTED_DTYPES,
     allowed_ints,
@@ -20,7 +21,8 @@ from pagedqvg.validation import (
 
 
 def test_supported_dtypes_and_alignment():
-    assert set(SUPPORTED_DTYPES) == {torch.float32, torch.float16, torch.bfloat16}
+    assert (torch.float32, torch.float16, torch.bfloat16) == SUPPORTED_DTYPES
+    assert {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16} == DTYPES_BY_NAME
     assert PAGE_ALIGN_BYTES == 256
 
 
