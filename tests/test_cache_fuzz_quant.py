@@ -69,7 +69,7 @@ from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, rule, run_state_machine_as_test
 
 from pagedqvg import BlockPool, PagedCausalKVCache, PoolExhaustedError, QuantConfig
-from pagedqvg.quant import prq_dequantize, prq_quantize
+from pagedqvg.quant import PackedFormat, prq_dequantize, prq_quantize
 
 NUM_LAYERS = 2
 D = 8
@@ -131,13 +131,13 @@ def packed_geometry(cfg):
     """(packed tokens per page, codebook pages per segment), from the byte format (pagedqvg/quant/format.py):
     per (token, head) codes D*bits/8 B (trits: ceil(D/5)), D/block_size fp8 scales, as many fp8 zeros when
     asymmetric, one uint8 id per stage; a token row holds every head; codebook rows of centroids x D cache-dtype
-    values, one per (K/V, batch, head, stage); whole rows per page, whole tokens (K and V rows of every batch
-    element) per token page."""
+    values (1-byte fp8 values with codebook_fp8, as in the compact mode), one per (K/V, batch, head, stage); whole
+    rows per page, whole tokens (K and V rows of every batch element) per token page."""
     q, H, B, page = cfg["quant"], cfg["H"], cfg["B"], cfg["page_bytes"]
     nb = D // q.block_size
     code = -(-D // 5) if q.pack_trits else D * q.bits // 8
     token_row = H * (code + nb + (nb if q.asymmetric else 0) + q.stages)
-    cb_row = q.centroids * D * itemsize(cfg["dtype"])
+    cb_row = q.centroids * D * (1 if q.codebook_fp8 else itemsize(cfg["dtype"]))
     cb_rows = 2 * B * H * q.stages
     return (page // token_row) // (2 * B), -(-cb_rows // (page // cb_row))
 
@@ -1052,3 +1052,82 @@ def test_view_past_local_end_reads_zeros_after_reset():
                 assert torch.equal(cv.k[:, rows], rv.k[:, rows]) and torch.equal(cv.v[:, rows], rv.v[:, rows])
             o += m
     assert stale_seen, "the dense reference should show the earlier run's values past L after the reset"
+
+
+# ------------------------------------------------------------------------------------------------ compact mode
+#: Examples of the compact state machine under the ci profile (the quant machine runs 100; this one adds ~10 s).
+COMPACT_EXAMPLES = {"ci": 40}
+
+
+@st.composite
+def compact_configs(draw):
+    """The machine's configs with the compact extensions: fitted scales (symmetric codes), fp8 codebooks mostly,
+    trit packing for int2 mostly."""
+    cfg = draw(configs())
+    q = cfg["quant"]
+    bits_ = q.bits
+    cfg["quant"] = QuantConfig(
+        bits=bits_, centroids=q.centroids, block_size=q.block_size, stages=q.stages, kmeans_iters=q.kmeans_iters,
+        asymmetric=False, keep_recent_chunks=q.keep_recent_chunks, sink=q.sink, sink_keep_chunks=q.sink_keep_chunks,
+        seed=q.seed, pack_trits=bits_ == 2 and draw(st.sampled_from([True, True, False])), fit_scales=True,
+        codebook_fp8=draw(st.sampled_from([True, True, False])),
+    )  # fmt: skip
+    return cfg
+
+
+class CompactFuzzMachine(QuantFuzzMachine):
+    """QuantFuzzMachine, drawing compact-style PRQ configs."""
+
+    @initialize(cfg=compact_configs())
+    def setup(self, cfg):
+        QuantFuzzMachine.setup(self, cfg)
+
+
+def test_geometry_helper_matches_the_format():
+    """packed_geometry against the format spec, with and without fp8 codebooks."""
+    for q in (QuantConfig.compact(block_size=8, centroids=5), QuantConfig(bits=4, block_size=4, centroids=3)):
+        for dtype in (torch.bfloat16, torch.float32):
+            cfg = dict(quant=q, H=3, B=2, page_bytes=2048, dtype=dtype)
+            fmt = PackedFormat(D, 3, q, dtype)
+            tpp, cb_pages = packed_geometry(cfg)
+            assert tpp == (2048 // fmt.token_row_bytes) // 4
+            assert cb_pages == -(-2 * 2 * fmt.num_codebook_rows // (2048 // fmt.codebook_row_bytes))
+
+
+def test_state_machine_compact():
+    profile = os.environ.get("PAGEDQVG_FUZZ_PROFILE", "ci")
+    n = COMPACT_EXAMPLES.get(profile, settings.default.max_examples)
+    before = STEPS[0]
+    run_state_machine_as_test(CompactFuzzMachine, settings=settings(parent=settings.default, max_examples=n))
+    assert STEPS[0] - before >= (400 if profile == "ci" else 1)
+    assert MAX_RATIO[0] <= ERR_BOUND
+
+
+def test_program_pack_unpack_rewind_pin_compact():
+    """test_program_pack_unpack_rewind_pin's program (sink packing, head-sliced rewrite of a packed chunk, roll,
+    pin, rewind into a packed chunk, reset) with a compact config."""
+    P, Dn = "packed", "dense"
+    q = QuantConfig.compact(centroids=3, block_size=4, stages=2, keep_recent_chunks=0)
+    m = run_program(
+        dict(C=12, S=4, H=2, B=2),
+        [
+            ("w", 0, 0, 4),
+            ("w", 0, 4, 4),
+            ("w", 0, 8, 4),
+            ("expect", 0, [(0, 4, P), (4, 8, P), (8, 12, Dn)]),
+            ("w", 0, 5, 2, 1, 1),
+            ("expect", 0, [(0, 4, P), (4, 8, Dn), (8, 12, Dn)]),
+            ("w", 0, 12, 3),
+            ("pin", 0, 3),
+            ("w", 0, 15, 3, 1, 0, 2),
+            ("expect", 0, [(0, 4, P), (4, 8, P), (8, 12, P), (12, 15, P), (15, 18, Dn)]),
+            ("rewind", 0, 14),
+            ("expect", 0, [(0, 4, P), (4, 8, P), (8, 12, P), (12, 14, P)]),
+            ("w", 0, 14, 4),
+            ("w", 1, 0, 5),
+            ("w", 1, 5, 5),
+            ("reset", 0),
+        ],
+        quant=q,
+    )
+    assert m.packed_from[1]

@@ -90,6 +90,14 @@ def test_lingbot_pattern_quant_on_matches_quant_off_slots(quant, max_rel):
     assert kinds[0][2] == "packed" and kinds[-1][2] == "dense"
 
 
+def test_lingbot_pattern_with_compact_config():
+    """The call pattern above with the compact mode; head_dim 32 there, so blocks of 32 (one fitted scale per
+    token-head)."""
+    q = QuantConfig.compact(centroids=16, block_size=32)
+    assert q.mode == "compact"
+    test_lingbot_pattern_quant_on_matches_quant_off_slots(q, 0.35)
+
+
 def test_keep_recent_and_sink_keep_policy():
     k, v = video_kv(40, TPF, H, D, seed=4)
     quant = QuantConfig(bits=2, centroids=16, block_size=16, keep_recent_chunks=2, sink=True, sink_keep_chunks=1)

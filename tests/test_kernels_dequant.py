@@ -44,7 +44,7 @@ from pagedqvg.kernels import dispatch
 from pagedqvg.kernels.dequant import packed_dequant_torch, piece_table
 from pagedqvg.kernels.kmeans import kmeans_assign_torch
 from pagedqvg.packing import PackedStore
-from pagedqvg.quant import PackedFormat, QuantConfig, prq_dequantize, prq_quantize
+from pagedqvg.quant import FP8_DTYPE, PackedFormat, QuantConfig, prq_dequantize, prq_quantize
 
 try:
     from pagedqvg.kernels import triton_dequant as tdq
@@ -307,6 +307,55 @@ def test_cache_packed_views_identical_with_triton_and_torch(monkeypatch, dtype, 
     for (ka, va, sa), (kb, vb, sb) in zip(results["torch"], results["triton"], strict=True):
         assert sa == sb
         assert torch.equal(bits(ka), bits(kb)) and torch.equal(bits(va), bits(vb))
+
+
+@needs_kernels
+@pytest.mark.filterwarnings("ignore:overflow encountered in cast:RuntimeWarning")  # fp16 +-inf, as torch gives
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32], ids=str)
+def test_packed_dequant_fp8_codebooks_bit_exact(dtype):
+    """The compact mode's fp8 codebooks: real packed segments in scrambled pages, then random fp8 codebook bytes
+    (every class incl. NaN, subnormals)."""
+    gen = torch.Generator().manual_seed(zlib.crc32(f"fp8cb-{dtype}".encode()))
+    cfg = QuantConfig.compact(block_size=16, centroids=6, stages=2)
+    B, H, D = 2, 3, 48
+    n = 11
+    seg = Segment(cfg, B, H, D, dtype, n, 1024, gen, DEVICE)
+    st = seg.store
+    assert st.codebook_rows.dtype == FP8_DTYPE
+    for t0, t1, hs, heads in ((0, n, 0, H), (3, 9, 1, 2)):
+        ref = torch.zeros(2, B, t1 - t0, heads, D, dtype=dtype, device=DEVICE)
+        out = torch.ones_like(ref)
+        seg.run(packed_dequant_torch, t0, t1, hs, heads, ref)
+        seg.run(tdq.packed_dequant_triton, t0, t1, hs, heads, out, block_rows=4)
+        assert torch.equal(out.cpu().view(torch.uint8), ref.cpu().view(torch.uint8))
+    # the dequantized segment is the PRQ round trip of what was packed
+    full = torch.zeros(2, B, n, H, D, dtype=dtype, device=DEVICE)
+    seg.run(tdq.packed_dequant_triton, 0, n, 0, H, full)
+    for kv in range(2):
+        rows = seg.tok_rows[:, kv].reshape(n, -1)
+        want = prq_dequantize(rows, seg.codebooks[kv * B * H : (kv + 1) * B * H], PackedFormat(D, B * H, cfg, dtype))
+        assert torch.equal(full[kv].cpu().transpose(0, 1).reshape(n, B * H, D).view(torch.uint8),
+                           want.view(torch.uint8))  # fmt: skip
+    for page in seg.cb_pages:
+        st.codebook_rows[page].view(torch.uint8).copy_(random_bits(st.codebook_rows[page].shape, torch.uint8, gen))
+    ref = torch.zeros(2, B, n, H, D, dtype=dtype, device=DEVICE)
+    out = torch.ones_like(ref)
+    seg.run(packed_dequant_torch, 0, n, 0, H, ref)
+    seg.run(tdq.packed_dequant_triton, 0, n, 0, H, out, block_rows=4)
+    assert torch.isnan(ref).any()
+    assert same_bits_nan_as_nan(out.cpu(), ref.cpu())
+
+
+def test_packed_dequant_rejects_cache_dtype_codebooks_for_fp8_format():
+    from pagedqvg.kernels.dequant import check_packed_dequant
+
+    fmt = PackedFormat(16, 2, QuantConfig.compact(block_size=16, centroids=4))
+    tokens = torch.zeros(2, 4, 2, 1, fmt.token_row_bytes, dtype=torch.uint8)
+    out = torch.zeros(3, 2, 1, 2, 16, dtype=torch.bfloat16)
+    pieces, cb_pages = torch.zeros(0, 5, dtype=torch.int64), torch.zeros(1, dtype=torch.int64)
+    with pytest.raises(ValueError, match=r"codebooks must be torch\.float8_e4m3fn"):
+        check_packed_dequant(tokens, torch.zeros(2, 4, 4, 16, dtype=torch.bfloat16), pieces, cb_pages, 0, out, fmt)
+    check_packed_dequant(tokens, torch.zeros(2, 4, 4, 16, dtype=FP8_DTYPE), pieces, cb_pages, 0, out, fmt)
 
 
 # ---------------------------------------------------------------------------------------------- k-means assign
