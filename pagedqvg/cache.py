@@ -18,34 +18,15 @@ import torch
 
 from .allocator import BlockPool, RangeEntry, RangeIndex
 from .errors import CacheClosedError, CacheConfigError, PackingFailedWarning, SequencingError
-from .kernels import kernel_backend, page_fill, page_write, view_build
-from .kernels.dispatch import view_runs
-from .kernels.rows import int64_on, segment_row_index, token_rows
-from .kernels.view_runs import RUN_COLUMNS, dense_runs, packed_runs, zero_runs
-from .layout import DenseTokenLayout, page_pieces
+from .layout import DenseTokenLayout
 from .packing import PackedStore, QuantizedChunk
+from .page_io import PageIO, Spans, ViewPlan, WritePlan
 from .quant import QuantConfig
+from .segment import Segment, SegmentKind
 from .slot_map import SlotMap
 from .view import CausalAttentionKVView
 
 SUPPORTED_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
-_PLAN_CACHE_SIZE = 8
-
-
-@dataclass(slots=True)
-class Segment:
-    """One appended chunk of one layer: its pages (token rows, see layout.py). Its global range is its index key."""
-
-    pages: list[int]  # every page of the segment (packed: token pages, then codebook pages)
-    pages_t: torch.Tensor | None = None  # dense, Triton backend: the pages as int64 on the device (row indices)
-    kind: str = "dense"  # "dense" or "packed"
-    n_token_pages: int = 0  # packed: pages[:n_token_pages] hold token rows, the rest codebooks
-    pack_failed: bool = False  # held non-finite values when the policy tried to pack it (retried after a rewrite)
-    lossy: bool = False  # dense rows that came back from a packed form (until a full rewrite of every token and head)
-
-    @property
-    def packed(self) -> bool:
-        return self.kind == "packed"
 
 
 @dataclass(slots=True)
@@ -267,17 +248,6 @@ class PagedCausalKVCache:
                 f"{self.layout.itemsize} B = {token_bytes} B) does not fit a page of {pool.page_bytes} B; use a pool "
                 f"with page_bytes >= {-(-token_bytes // 256) * 256}"
             )
-        self._tpp = self.layout.tokens_per_page
-        self._rpp = self.layout.rows_per_page
-        self._backend = kernel_backend(pool.device)
-        # Longest run of a view's run table (Triton backend): on CUDA runs are split at the dense tokens per page, so
-        # the kernel's programs are about equally busy; in the interpreter (CPU tensors), where a program costs
-        # milliseconds of Python whatever its size, runs are only cut at page ends.
-        self._run_cap: int | None = self._tpp if pool.device.type == "cuda" else None
-        # Whole tokens per page as a K block then a V block: [num_pages, 2, tokens_per_page, B, H, D].
-        self._tok = pool.pages_as(dtype)[:, : self._rpp * self._num_heads * self.head_dim].view(
-            pool.num_pages, 2, self._tpp, self.batch_size, self._num_heads, self.head_dim
-        )
         self._packed: PackedStore | None = None
         if quant is not None and quant.enabled:
             try:
@@ -286,10 +256,8 @@ class PagedCausalKVCache:
                 raise CacheConfigError(f"quant: {exc}") from None
         self.pack_under_pressure = bool(pack_under_pressure)
         self.pack_skipped = 0  # chunks left dense because they held non-finite values or packing failed
-        self._rows = token_rows(pool, dtype, self._num_heads, self.head_dim, self._rpp)
-        b = torch.arange(self.batch_size, dtype=torch.int64, device=self.device)
-        kv = torch.arange(2, dtype=torch.int64, device=self.device)
-        self._kv_batch = (kv[:, None] * self.batch_size + b[None, :])[:, :, None]
+        # The token rows of this layer in the pool, every move of them, and the cached write/view plans.
+        self._io = PageIO(pool, self.layout, self._packed)
         self._grow = bool(allow_growth)
         self._use_int = bool(use_int_indices)
         self._C = cache_size
@@ -301,8 +269,6 @@ class PagedCausalKVCache:
         self._map = SlotMap()
         self._index: RangeIndex[Segment] = RangeIndex()
         self._closed = False
-        # Cached write/view plans (arena views, page pieces, row indices), dropped whenever pages or slots change.
-        self._plans: dict[tuple, tuple] = {}
         self._last_view_ranges: list[tuple[int, int]] = []
         self._g_tensor = self._cursor("global_end_index", global_end_index)
         self._l_tensor = self._cursor("local_end_index", local_end_index)
@@ -535,249 +501,31 @@ class PagedCausalKVCache:
         new_map = new_map.appended(le - a, a, G)
         return _WritePlan(ls, le, a, C, W, e, le, P, new_map, free_entries)
 
-    # ------------------------------------------------------------ plans: where rows live
-    def _dense_index(self, entry: RangeEntry[Segment], lo: int, hi: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """Row index `[2, B, hi - lo]` of global tokens `[lo, hi)` of a dense segment (Triton backend)."""
-        seg = entry.value
-        if seg.pages_t is None:
-            seg.pages_t = int64_on(seg.pages, self.device)
-        return segment_row_index(seg.pages_t, self._rpp, lo - entry.start, hi - entry.start, self._kv_batch)
-
-    def _parts(self, global_ranges: list[tuple[int, int]]) -> list[tuple]:
-        """Where the rows of `global_ranges` live, in order, merged into parts:
-        `("d", [(page, first, last), ...], m)` dense token slices (torch backend),
-        `("i", page_idx, slot_idx, m)` dense row indices (Triton backend),
-        `("p", segment, t0, t1, m)` a token range of a packed segment."""
-        parts: list[tuple] = []
-        pieces: list[tuple[int, int, int]] = []
-        idx_p: list[torch.Tensor] = []
-        idx_s: list[torch.Tensor] = []
-        count = 0
-
-        def flush() -> None:
-            nonlocal pieces, count
-            if pieces:
-                parts.append(("d", pieces, count))
-                pieces = []
-            if idx_p:
-                pi = idx_p[0] if len(idx_p) == 1 else torch.cat(idx_p, dim=2)
-                si = idx_s[0] if len(idx_s) == 1 else torch.cat(idx_s, dim=2)
-                parts.append(("i", pi, si, count))
-                idx_p.clear()
-                idx_s.clear()
-            count = 0
-
-        triton = self._backend == "triton"
-        for g0, g1 in global_ranges:
-            for entry in self._index.overlapping(g0, g1):
-                lo, hi = max(g0, entry.start), min(g1, entry.end)
-                seg = entry.value
-                if seg.packed:
-                    flush()
-                    parts.append(("p", seg, lo - entry.start, hi - entry.start, hi - lo))
-                    continue
-                if triton:
-                    p, sl = self._dense_index(entry, lo, hi)
-                    idx_p.append(p)
-                    idx_s.append(sl)
-                else:
-                    pieces.extend(page_pieces(seg.pages, self._tpp, lo - entry.start, hi - entry.start))
-                count += hi - lo
-        flush()
-        return parts
-
     def _structure_changed(self) -> None:
         """Pages, segments, slots or the pin changed: every cached plan is stale."""
-        self._plans.clear()
+        self._io.invalidate()
         self._last_view_ranges = []
 
-    # ------------------------------------------------------------ data movement (torch slices or Triton kernels)
-    def _remember(self, key: tuple, plan: tuple) -> tuple:
-        if len(self._plans) >= _PLAN_CACHE_SIZE:
-            self._plans.clear()
-        self._plans[key] = plan
-        return plan
+    # ------------------------------------------------------------ data movement (page_io.PageIO)
+    def _view_spans(self, ranges: list[tuple[int, int]]) -> Spans:
+        """Per slot range of a view: the global token ranges its filled slots hold, and its never-filled slots."""
+        L = self._L
+        return [(self._map.to_global(a, min(b, L)), b - max(a, L)) for a, b in ranges]
 
-    def _head_slice(self, page: int, a: int, b: int, h0: int, hin: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """Token slots `[a, b)` of a page as K and V views of the arena, each `[m, B, Hin, D]`."""
-        block = self._tok[page, :, a:b]
-        if hin != self._num_heads:
-            block = block[:, :, :, h0 : h0 + hin]
-        return block[0], block[1]
+    def _view_plan(self, ranges: list[tuple[int, int]], h0: int, hin: int) -> ViewPlan:
+        """Cached sources of the view of slot `ranges`, heads `[h0, h0 + hin)`."""
+        return self._io.view_plan(self._index, self._view_spans(ranges), h0, hin)
 
-    def _write_plan(self, s: int, e: int, h0: int, hin: int) -> tuple:
-        """Cached destinations of a write of tokens `[s, e)`: `("d", [(k_view, v_view, offset, m)])` of arena views
-        (torch) or `("i", page_idx, slot_idx, m)` (Triton). Valid until the structure changes."""
-        key = ("w", s, e, h0, hin)
-        plan = self._plans.get(key)
-        if plan is None:
-            (part,) = self._parts([(s, e)])  # writes only ever touch dense segments
-            if part[0] == "d":
-                items, o = [], 0
-                for page, a, b in part[1]:
-                    k_dst, v_dst = self._head_slice(page, a, b, h0, hin)
-                    items.append((k_dst, v_dst, o, b - a))
-                    o += b - a
-                part = ("d", items)
-            plan = self._remember(key, part)
-        return plan
-
-    def _view_plan(self, ranges: list[tuple[int, int]], h0: int, hin: int) -> tuple[list[tuple], int]:
-        """Cached sources of a view: parts with dense slices as arena views, and the token count.
-
-        Triton backend: a view of dense rows only is one row-index part (`view_build`, the ranges' indices
-        concatenated); a view with packed segments or zero slots is one run-table part `("r", runs, cb_pages,
-        max_run, T)` for `view_runs`, built and copied to the device here. Either way one launch per view."""
-        key = ("v", h0, hin, *ranges)
-        plan = self._plans.get(key)
-        if plan is None:
-            L = self._L
-            if self._backend == "triton":
-                spans = [(self._map.to_global(a, min(b, L)), b - max(a, L)) for a, b in ranges]
-                if not self._dense_only(spans):
-                    return self._remember(key, self._run_plan(spans))
-                parts = self._parts([g for global_ranges, _ in spans for g in global_ranges])  # one "i" part
-                return self._remember(key, (parts, sum(p[-1] for p in parts)))
-            parts = []
-            for a, b in ranges:
-                for part in self._parts(self._map.to_global(a, min(b, L))):
-                    if part[0] == "d":
-                        parts.extend(("s", *self._head_slice(page, x, y, h0, hin), y - x) for page, x, y in part[1])
-                    else:
-                        parts.append(part)
-                if b > max(a, L):
-                    # Slots the cache never filled (a sink longer than the local end): zeros, as the dense
-                    # cache's zero-initialised buffer reads there.
-                    parts.append(("z", b - max(a, L)))
-            plan = self._remember(key, (parts, sum(p[-1] for p in parts)))
-        return plan
-
-    def _dense_only(self, spans: list[tuple[list[tuple[int, int]], int]]) -> bool:
-        """Whether a view's `(global ranges, zero slots)` spans are dense rows only (no zero slots, no packed
-        segment). O(spans x (log n + k))."""
-        if any(zeros > 0 for _, zeros in spans):
-            return False
-        return not any(e.value.packed for g, _ in spans for g0, g1 in g for e in self._index.overlapping(g0, g1))
-
-    def _run_plan(self, spans: list[tuple[list[tuple[int, int]], int]]) -> tuple[list[tuple], int]:
-        """The run table of a whole view (kernels/view_runs.py) from its `(global ranges, zero slots)` spans: dense
-        and packed token runs and zero runs (split at `_run_cap` tokens), plus the concatenated codebook pages of
-        its packed segments; one host->device copy. O(pages of the view)."""
-        cap = self._run_cap
-        store = self._packed
-        runs: list[tuple[int, ...]] = []
-        cb_pages: list[int] = []
-        cb_offset: dict[int, int] = {}  # id(segment) -> its codebook pages' offset in cb_pages
-        o = 0
-        for global_ranges, zeros in spans:
-            for g0, g1 in global_ranges:
-                for entry in self._index.overlapping(g0, g1):
-                    lo, hi = max(g0, entry.start) - entry.start, min(g1, entry.end) - entry.start
-                    seg = entry.value
-                    if seg.packed:
-                        assert store is not None
-                        off = cb_offset.get(id(seg))
-                        if off is None:
-                            off = cb_offset[id(seg)] = len(cb_pages)
-                            cb_pages.extend(seg.pages[seg.n_token_pages :])
-                        runs += packed_runs(seg.pages[: seg.n_token_pages], store.tpp, lo, hi, o, off, cap)
-                    else:
-                        runs += dense_runs(seg.pages, self._tpp, lo, hi, o, cap)
-                    o += hi - lo
-            if zeros > 0:
-                # Slots the cache never filled (a sink longer than the local end): zeros, as the dense cache's
-                # zero-initialised buffer reads there.
-                runs += zero_runs(o, zeros, cap)
-                o += zeros
-        desc = int64_on([x for run in runs for x in run] + cb_pages, self.device)
-        n = RUN_COLUMNS * len(runs)
-        table = desc[:n].view(len(runs), RUN_COLUMNS)
-        max_run = max((run[3] for run in runs), default=0)
-        return [("r", table, desc[n:] if store is not None else None, max_run, o)], o
-
-    def _write(self, plan: tuple, h0: int, key: torch.Tensor, value: torch.Tensor) -> None:
-        """Write key/value `[B, n, Hin, D]` into the destinations of `plan`."""
-        if plan[0] == "i":
-            page_write(self._rows, plan[1], plan[2], h0, key, value)
-            return
-        items = plan[1]
-        if len(items) == 1:
-            k_dst, v_dst, _, _ = items[0]
-            k_dst.copy_(key.transpose(0, 1))
-            v_dst.copy_(value.transpose(0, 1))
-            return
-        for k_dst, v_dst, o, m in items:
-            k_dst.copy_(key[:, o : o + m].transpose(0, 1))
-            v_dst.copy_(value[:, o : o + m].transpose(0, 1))
-
-    def _build_view(self, parts: list[tuple], h0: int, hin: int, out: torch.Tensor) -> None:
-        """Fill `out` `[2, B, T, Hin, D]`: dense rows copied, packed rows dequantized, in one pass over `parts`.
-
-        Triton backend: one launch, `view_build` for a view of dense rows only (an `"i"` part), else `view_runs`
-        over the plan's run table (an `"r"` part). Torch backend: slice copies / concatenations, zero fills and the
-        torch dequantization of the packed runs (`PackedStore.dequantize_runs_into`)."""
-        if len(parts) == 1 and parts[0][0] == "i":
-            view_build(self._rows, parts[0][1], parts[0][2], h0, hin, out)
-            return
-        if len(parts) == 1 and parts[0][0] == "r":  # Triton: the whole view in one launch
-            _, runs, cb_pages, max_run, _ = parts[0]
-            st = self._packed
-            packed = (st.token_view, st.codebook_rows, cb_pages) if st is not None else (None, None, None)
-            fmt = st.fmt if st is not None else None
-            view_runs(self._rows, *packed, runs, h0, out.permute(2, 0, 1, 3, 4), fmt, max_run)
-            return
-        out_k, out_v = out[0].transpose(0, 1), out[1].transpose(0, 1)  # [T, B, Hin, D] (contiguous when B == 1)
-        if all(part[0] == "s" for part in parts):  # dense pages only: K and V each one copy / concatenation
-            if len(parts) == 1:
-                out_k.copy_(parts[0][1])
-                out_v.copy_(parts[0][2])
-            else:
-                torch.cat([part[1] for part in parts], 0, out=out_k)
-                torch.cat([part[2] for part in parts], 0, out=out_v)
-            return
-        out_t = out.permute(2, 0, 1, 3, 4)  # [T, 2, B, Hin, D]
-        to_dequantize: list[tuple[int, list[int], list[int], int, int]] = []
-        o = 0
-        for part in parts:
-            kind, m = part[0], part[-1]
-            if kind == "s":
-                out_k[o : o + m].copy_(part[1])
-                out_v[o : o + m].copy_(part[2])
-            elif kind == "z":
-                out_t[o : o + m].zero_()
-            else:
-                seg, t0, t1 = part[1], part[2], part[3]
-                n_tok = seg.n_token_pages
-                to_dequantize.append((o, seg.pages[:n_tok], seg.pages[n_tok:], t0, t1))
-            o += m
-        if to_dequantize:
-            assert self._packed is not None
-            self._packed.dequantize_runs_into(out_t, to_dequantize, h0)
+    def _build_view(self, plan: ViewPlan, h0: int, hin: int, out: torch.Tensor) -> None:
+        """Fill `out` `[2, B, T, Hin, D]` from `plan`."""
+        self._io.build_view(plan, h0, hin, out)
 
     def _zero_tokens(self, entry: RangeEntry[Segment], lo: int, hi: int) -> None:
         """Every head of global tokens `[lo, hi)` of a dense segment := 0."""
-        if self._backend == "triton":
-            p, sl = self._dense_index(entry, lo, hi)
-            page_fill(self._rows, p, sl, 0.0)
-            return
-        for page, a, b in page_pieces(entry.value.pages, self._tpp, lo - entry.start, hi - entry.start):
-            self._tok[page, :, a:b].zero_()
+        self._io.fill_tokens(entry, lo, hi)
 
     def _new_dense_segment(self, tokens: int) -> Segment:
         return Segment(self.pool.alloc(self.layout.pages_for_tokens(tokens), self.owner))
-
-    def _read_dense(self, entry: RangeEntry[Segment]) -> torch.Tensor:
-        """All tokens of a dense segment as `[2, n, B, H, D]` (a temporary)."""
-        n = entry.end - entry.start
-        pieces = [self._tok[p, :, a:b] for p, a, b in page_pieces(entry.value.pages, self._tpp, 0, n)]
-        return pieces[0].clone() if len(pieces) == 1 else torch.cat(pieces, dim=1)
-
-    def _store_dense(self, entry: RangeEntry[Segment], data: torch.Tensor) -> None:
-        """Write `[n, 2, B, H, D]` into a dense segment's pages."""
-        o = 0
-        for page, a, b in page_pieces(entry.value.pages, self._tpp, 0, entry.end - entry.start):
-            self._tok[page, :, a:b].copy_(data[o : o + b - a].transpose(0, 1))
-            o += b - a
 
     def _packed_net_pages(self, entry: RangeEntry[Segment]) -> int:
         """Pages a dense segment gives back when packed (negative: packing needs more)."""
@@ -794,7 +542,7 @@ class PagedCausalKVCache:
         if self._packed_net_pages(entry) + self.pool.num_free_pages < 0:
             return False
         try:
-            quantized = store.quantize(self._read_dense(entry))
+            quantized = store.quantize(self._io.read_dense(entry))
         except ValueError as exc:
             self.pack_skipped += 1
             entry.value.pack_failed = True
@@ -822,27 +570,16 @@ class PagedCausalKVCache:
         pages = self.pool.alloc(store.pages_for_tokens(n), self.owner)
         n_tok = store.token_pages(n)
         store.write(pages[:n_tok], pages[n_tok:], quantized)
-        entry.value = Segment(pages, None, "packed", n_tok)
-
-    def _dequantize_segment(self, entry: RangeEntry[Segment]) -> torch.Tensor:
-        """All tokens of a packed segment as dense `[n, 2, B, H, D]` (a temporary; nothing changes)."""
-        store = self._packed
-        seg = entry.value
-        assert store is not None and seg.packed
-        n = entry.end - entry.start
-        dense = torch.empty(n, 2, self.batch_size, self._num_heads, self.head_dim, dtype=self.dtype, device=self.device)
-        n_tok = seg.n_token_pages
-        store.dequantize_into(dense, seg.pages[:n_tok], seg.pages[n_tok:], 0, n, 0)
-        return dense
+        entry.value = Segment(pages, None, SegmentKind.PACKED, n_tok)
 
     def _unpack(self, entry: RangeEntry[Segment], dense: torch.Tensor) -> None:
-        """Turn a packed segment back into dense rows holding `dense` (from `_dequantize_segment`); the policy
+        """Turn a packed segment back into dense rows holding `dense` (from `PageIO.dequantize_segment`); the policy
         repacks it later."""
         n = entry.end - entry.start
         self.pool.free(entry.value.pages, self.owner)
         entry.value = self._new_dense_segment(n)
         entry.value.lossy = True
-        self._store_dense(entry, dense)
+        self._io.store_dense(entry, dense)
 
     def _sink_segment_starts(self) -> set[int]:
         """Segments holding sink slots `[0, E)` or the pinned slots: they follow the sink policy."""
@@ -892,7 +629,7 @@ class PagedCausalKVCache:
             if gain <= 0 or entry.value.pack_failed:
                 continue
             try:
-                quantized = self._packed.quantize(self._read_dense(entry))
+                quantized = self._packed.quantize(self._io.read_dense(entry))
             except ValueError:  # non-finite values: this chunk cannot be packed
                 continue
             chosen.append((entry, quantized))
@@ -993,12 +730,12 @@ class PagedCausalKVCache:
             if r < 0:
                 raise ValueError(f"{self.debug_name}: recent_window_tokens={r} is negative (valid: None or >= 0)")
         fast_key = ("call", s, n, h0, hin, r)
-        fast = self._plans.get(fast_key)
+        fast = self._io.cached(fast_key)
         if fast is not None:  # the same in-place rewrite as before (a later denoise step): plans are all cached
-            ls, le, write_plan, ranges, parts, tokens = fast
-            self._write(write_plan, h0, key, value)
+            ls, le, write_plan, ranges, view_plan = fast  # type: ignore[misc]
+            self._io.write(write_plan, h0, key, value)
             self._last_view_ranges = ranges
-            return self._finish_view(parts, tokens, h0, hin, ls, le)
+            return self._finish_view(view_plan, h0, hin, ls, le)
         plan = self._plan(s, n)
         e = s + n
         pool = self.pool
@@ -1031,7 +768,7 @@ class PagedCausalKVCache:
             order = sorted(
                 plan.unpack_entries, key=lambda x: self.layout.pages_for_tokens(x.end - x.start) - len(x.value.pages)
             )
-            unpacked = [(x, self._dequantize_segment(x)) for x in order]
+            unpacked = [(x, self._io.dequantize_segment(x)) for x in order]
             self._structure_changed()
             for x, quantized in plan.pressure_entries:
                 self._store_packed(x, quantized)
@@ -1060,8 +797,8 @@ class PagedCausalKVCache:
             x.value.pack_failed = False  # new values: the policy may try again
             if s <= x.start and x.end <= e and hin == self._num_heads:
                 x.value.lossy = False  # every row rewritten: exact values again
-        write_plan = self._write_plan(s, e, h0, hin)
-        self._write(write_plan, h0, key, value)
+        write_plan: WritePlan = self._io.write_plan(self._index, s, e, h0, hin)
+        self._io.write(write_plan, h0, key, value)
 
         ranges = view_slot_ranges(
             local_end=self._L,
@@ -1074,18 +811,19 @@ class PagedCausalKVCache:
             recent_window_tokens=r,
         )
         self._last_view_ranges = ranges
-        parts, tokens = self._view_plan(ranges, h0, hin)
+        view_plan = self._view_plan(ranges, h0, hin)
         if not plan.new_tokens and not plan.unpack_entries:
-            self._remember(fast_key, (plan.ls, plan.le, write_plan, ranges, parts, tokens))
-        return self._finish_view(parts, tokens, h0, hin, plan.ls, plan.le)
+            self._io.remember(fast_key, (plan.ls, plan.le, write_plan, ranges, view_plan))
+        return self._finish_view(view_plan, h0, hin, plan.ls, plan.le)
 
-    def _finish_view(self, parts: list[tuple], tokens: int, h0: int, hin: int, ls: int, le: int):
+    def _finish_view(self, view_plan: ViewPlan, h0: int, hin: int, ls: int, le: int):
+        tokens = view_plan.tokens
         shape = (2, self.batch_size, tokens, hin, self.head_dim)
         if self.reuse_view_buffer:
             out = self.pool.view_buffer(2 * self.batch_size * tokens * hin * self.head_dim, self.dtype).view(shape)
         else:
             out = torch.empty(shape, dtype=self.dtype, device=self.device)
-        self._build_view(parts, h0, hin, out)
+        self._build_view(view_plan, h0, hin, out)
         return self._view_cls(out[0], out[1], ls, le, self._L, self._G)
 
     # ------------------------------------------------------------ other calls

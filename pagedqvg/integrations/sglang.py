@@ -34,11 +34,11 @@ import torch
 
 from ..allocator import DEFAULT_PAGE_BYTES, PAGE_ALIGN_BYTES, BlockPool
 from ..allocator.pool import available_memory_bytes
-from ..cache import SUPPORTED_DTYPES, PagedCausalKVCache, Segment
+from ..cache import SUPPORTED_DTYPES, PagedCausalKVCache
 from ..errors import CacheConfigError, IntegrationError
-from ..layout import page_pieces
 from ..quant import QuantConfig
 from ..quant.config import SGLANG_KEYS
+from ..segment import Segment
 from ..slot_map import SlotMap
 from ..view import CausalAttentionKVView
 
@@ -247,9 +247,9 @@ class _SGLangSurface(PagedCausalKVCache):
         L = min(self._L, C)
         if L:
             saved = self._last_view_ranges
-            parts, tokens = self._view_plan([(0, L)], 0, H)
-            out = torch.empty(2, B, tokens, H, D, dtype=self.dtype, device=self.device)
-            self._build_view(parts, 0, H, out)
+            plan = self._view_plan([(0, L)], 0, H)
+            out = torch.empty(2, B, plan.tokens, H, D, dtype=self.dtype, device=self.device)
+            self._build_view(plan, 0, H, out)
             self._last_view_ranges = saved
             k[:, :L].copy_(out[0])
             v[:, :L].copy_(out[1])
@@ -298,12 +298,8 @@ class _SGLangSurface(PagedCausalKVCache):
 
     def _zero_tokens(self, entry, lo: int, hi: int) -> None:
         """Never-written heads of new tokens read the fill value (0 unless the constructor's buffer was uniform)."""
-        super()._zero_tokens(entry, lo, hi)
         kf, vf = self._fill
-        if kf or vf:
-            for page, a, b in page_pieces(entry.value.pages, self._tpp, lo - entry.start, hi - entry.start):
-                self._tok[page, 0, a:b].fill_(kf)
-                self._tok[page, 1, a:b].fill_(vf)
+        self._io.fill_tokens(entry, lo, hi, kf, vf)
 
     def _adopt_cursors(self, g: int, local: int, pin_start: int, pin_len: int) -> None:
         """Start at global end `g` and local end `local` (construction with non-zero cursors, validated by the
