@@ -19,7 +19,7 @@ on CUDA tensors with compiled kernels.
   the two distances (kmeans.distance_error_bound). Which tokens differ depends on the summation orders, i.e. on the
   BLAS and instruction set of the machine, so no test asserts that none do.
 - The cache-level comparison packs both caches with the torch k-means results and checks the Triton k-means results
-  against that contract at every step (triton_env.contract_checked_kmeans).
+  against that contract at every step (helpers.contract_checked_kmeans).
 """
 
 from __future__ import annotations
@@ -28,7 +28,7 @@ import zlib
 
 import pytest
 import torch
-from triton_env import (  # sets TRITON_INTERPRET
+from helpers import (  # sets TRITON_INTERPRET
     bits,
     check_near_ties,
     compiled_mode_json,

@@ -18,7 +18,7 @@ import zlib
 
 import pytest
 import torch
-from triton_env import (  # sets TRITON_INTERPRET
+from helpers import (  # sets TRITON_INTERPRET
     bits,
     compiled_mode_json,
     kernel_device,

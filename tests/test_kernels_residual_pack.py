@@ -8,11 +8,11 @@ fresh process if triton was imported in compiled mode first). On a CUDA machine 
   every code format, D not a power of two, token counts that are not multiples of the tile, one token, scrambled
   (page, slot) destinations and blocks at the edges of the number format (zero, constant, fp8 underflow, clipping,
   -0.0). Its fp8 encoder and round-half-even are checked against torch exhaustively at every rounding boundary.
-- k-means update: identical where sums are exact (dyadic data), else within `triton_env.update_error_bound` (the
+- k-means update: identical where sums are exact (dyadic data), else within `helpers.update_error_bound` (the
   contract of kernels/kmeans.py); deterministic; empty clusters keep their centroid.
 - The cache's pack path (PackedStore.quantize + write) gives the same page bytes with the Triton steps as with
   torch, given the same k-means results; the Triton k-means results of every step are checked against their
-  contract on the way (triton_env.contract_checked_kmeans). Free-running k-means is never compared bit for bit
+  contract on the way (helpers.contract_checked_kmeans). Free-running k-means is never compared bit for bit
   between the backends: which near-ties and last bits differ depends on the machine's BLAS and instruction set.
 """
 
@@ -22,7 +22,7 @@ import zlib
 
 import pytest
 import torch
-from triton_env import (  # sets TRITON_INTERPRET
+from helpers import (  # sets TRITON_INTERPRET
     compiled_mode_json,
     contract_checked_kmeans,
     exact_means,

@@ -1,7 +1,7 @@
 """The mixed view build (dense + PRQ-packed + zero runs of a whole view, one launch) against its torch reference.
 
 Runs like tests/test_kernels_page_write.py: without CUDA the Triton kernel runs in Triton's interpreter on CPU tensors
-(TRITON_INTERPRET=1 is set by triton_env before anything imports triton; if triton was already imported in compiled
+(TRITON_INTERPRET=1 is set by helpers.py before anything imports triton; if triton was already imported in compiled
 mode, `test_interpreter_in_subprocess` reruns this file in a fresh process). On a CUDA machine the same comparisons
 run on CUDA tensors with compiled kernels.
 
@@ -22,7 +22,7 @@ import zlib
 
 import pytest
 import torch
-from triton_env import (  # sets TRITON_INTERPRET
+from helpers import (  # sets TRITON_INTERPRET
     bits,
     compiled_mode_json,
     contract_checked_kmeans,

@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import pytest
 import torch
+from helpers import check_means, check_near_ties
 from hypothesis import given, settings
 from hypothesis import strategies as st
-from triton_env import check_means, check_near_ties
 
 from pagedqvg.quant import FP8_DTYPE, PackedFormat, PRQSegment, QuantConfig, prq_dequantize, prq_quantize
 from pagedqvg.quant.prq import _block_quantize, assign_nearest, update_means

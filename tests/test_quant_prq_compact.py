@@ -17,7 +17,7 @@ import zlib
 
 import pytest
 import torch
-from triton_env import kernel_device, random_bits, rerun_interpreted  # sets TRITON_INTERPRET
+from helpers import kernel_device, random_bits, rerun_interpreted  # sets TRITON_INTERPRET
 
 from pagedqvg.kernels.residual_pack import residual_pack_torch
 from pagedqvg.quant import FP8_DTYPE, PackedFormat, QuantConfig, prq_kmeans, prq_quantize
