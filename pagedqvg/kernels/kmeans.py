@@ -14,7 +14,7 @@ of their evaluation (`(D + 2) * 2^-24 * (||c||^2 + 2 sum_i |x_i c_i|)` each, `di
 centroid may be chosen. The update (`quant.prq.update_means`) sums the same fp32 values in the BLAS's order, the
 kernel in its own fixed tile order: each mean is within `(n - 1) * 2^-24 * mean|x| + 2^-24 * mean|x|` of the exact
 mean of its n members (a sum of n terms is off by at most (n - 1) * 2^-24 * sum |x|, the division adds half an ulp;
-the tests check it, tests/triton_env.py), and equal wherever the sums are exact.
+the tests check it, tests/helpers.py), and equal wherever the sums are exact.
 """
 
 from __future__ import annotations
