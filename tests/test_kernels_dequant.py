@@ -35,6 +35,7 @@ from helpers import (  # sets TRITON_INTERPRET
     contract_checked_kmeans,
     distance_margins,
     kernel_device,
+    packed_store,
     random_bits,
     rerun_interpreted,
 )
@@ -291,9 +292,10 @@ def test_cache_packed_views_identical_with_triton_and_torch(monkeypatch, dtype, 
         pool = BlockPool(64 * 1024, page_bytes=1024, device=DEVICE)
         cache = PagedCausalKVCache(pool=pool, batch_size=2, cache_size=12, num_heads=3, head_dim=16, dtype=dtype,
                                    device=DEVICE, sink_tokens=3, quant=quant)  # fmt: skip
-        assert cache._packed is not None and cache._packed.backend == backend
+        store = packed_store(cache)
+        assert store is not None and store.backend == backend
         cb_dtype = torch.float8_e4m3fn if quant.codebook_fp8 else dtype
-        assert cache._packed.codebook_rows.dtype == cb_dtype
+        assert store.codebook_rows.dtype == cb_dtype
         gen = torch.Generator().manual_seed(9)
         views = []
         for start, hs in ((0, None), (3, 1), (6, None), (9, 1), (12, None), (6, None), (9, 1), (15, None)):

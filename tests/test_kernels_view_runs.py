@@ -29,6 +29,7 @@ from helpers import (  # sets TRITON_INTERPRET
     kernel_device,
     random_bits,
     rerun_interpreted,
+    set_view_run_cap,
 )
 
 from pagedqvg import BlockPool, PagedCausalKVCache
@@ -388,7 +389,7 @@ def test_cache_mixed_views_one_launch_identical_to_torch(monkeypatch, dtype, run
         cache = PagedCausalKVCache(pool=pool, batch_size=2, cache_size=12, num_heads=3, head_dim=16, dtype=dtype,
                                    device=ON, sink_tokens=3, quant=quant)  # fmt: skip
         if backend == "triton":
-            cache._io.run_cap = run_cap
+            set_view_run_cap(cache, run_cap)
         gen = torch.Generator().manual_seed(9)
         views, tables = [], []
         for start, hs in steps:
