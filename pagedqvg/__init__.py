@@ -4,8 +4,9 @@ One `BlockPool` per device owns every K/V byte of every layer under one byte bud
 `PagedCausalKVCache` reproduces the dense causal cache's contract bit for bit over pool pages.
 """
 
+from typing import TYPE_CHECKING
+
 from .allocator import BlockPool, PoolStats, RangeIndex
-from .cache import PagedCausalKVCache, make_layer_caches
 from .errors import (
     CacheClosedError,
     CacheConfigError,
@@ -20,7 +21,21 @@ from .errors import (
 from .quant import QuantConfig
 from .view import CausalAttentionKVView
 
+if TYPE_CHECKING:
+    from .cache import PagedCausalKVCache, make_layer_caches
+
 __version__ = "0.1.0"
+
+
+def __getattr__(name: str) -> object:
+    """`PagedCausalKVCache` and `make_layer_caches` load on first use, so the planner and the CLI's plan commands
+    do not import the kernels."""
+    if name in ("PagedCausalKVCache", "make_layer_caches"):
+        from . import cache
+
+        return getattr(cache, name)
+    raise AttributeError(f"module 'pagedqvg' has no attribute {name!r}")
+
 
 __all__ = [
     "BlockPool",

@@ -22,7 +22,8 @@ sink segments and `T = ceil((C - E) / n)` window segments (the current chunk inc
 
 (the last term: one layer holds its new chunk in bf16 before it packs the chunk that left `keep_recent_chunks`).
 
-With pins the census comes from `replay_layer`, a pure-Python mirror of one cache's page accounting (no tensors);
+With pins the census comes from `replay_layer`: one cache's own sequencing core and pack policy (sequencing.py,
+policy.py) with a page counter for a store (`CountingLayer`, no tensors);
 tests check both against `BlockPool.stats()` of real caches. All layers advance one after another inside each
 denoise step, so the pool's high-water mark is `max over chunks m of (layers - 1) * max(A[m-1], A[m]) + P[m]`, with
 `A[m]` one layer's pages after chunk `m` and `P[m]` its peak during chunk `m`. Views are built outside the pool, one
@@ -44,13 +45,15 @@ from dataclasses import dataclass
 
 import torch
 
-from .allocator import PAGE_ALIGN_BYTES, RangeEntry, RangeIndex
-from .cache import effective_sink, released_segments, view_slot_ranges
+from .allocator import RangeEntry
 from .layout import DenseTokenLayout, PackedSegmentLayout, PageChoice, choose_page_bytes, dtype_itemsize, segment_kinds
+from .policy import pack_targets, sink_segment_starts
 from .presets import Workload
 from .quant.config import QuantConfig
 from .quant.format import PackedFormat
-from .slot_map import SlotMap
+from .segment import SegmentKind
+from .sequencing import CacheSpec, Sequencer, view_slot_ranges
+from .validation import PAGE_ALIGN_BYTES, check_int, nearest_page_bytes, page_bytes_at_least
 
 #: Quantization modes `plan` compares, in table order (`QuantConfig.mode` names; see `mode_quant`).
 PLAN_MODES: tuple[str, ...] = ("off", "int4", "int2", "compact")
@@ -158,7 +161,7 @@ class Geometry:
         if self.page_bytes % PAGE_ALIGN_BYTES:
             raise ValueError(
                 f"--page-bytes must be a multiple of {PAGE_ALIGN_BYTES}, got {self.page_bytes}; nearest valid: "
-                f"{max(PAGE_ALIGN_BYTES, round(self.page_bytes / PAGE_ALIGN_BYTES) * PAGE_ALIGN_BYTES)} (or auto)"
+                f"{nearest_page_bytes(self.page_bytes)} (or auto)"
             )
         packed = self.packed_layout()  # ValueError naming the quantization field
         # A page holds whole tokens: K and V rows of every batch element (layout.py).
@@ -171,7 +174,7 @@ class Geometry:
         ):
             raise ValueError(
                 f"page size {self.page_bytes} B is too small: one token ({token_bytes} B of K and V rows) or one "
-                f"packed row must fit a page; use --page-bytes >= {-(-need // PAGE_ALIGN_BYTES) * PAGE_ALIGN_BYTES}"
+                f"packed row must fit a page; use --page-bytes >= {page_bytes_at_least(need)}"
             )
 
     # ----------------------------------------------------------------------------------------- derived sizes
@@ -248,6 +251,13 @@ def valid_rank_counts(heads: int) -> list[int]:
     return [d for d in range(1, heads + 1) if heads % d == 0]
 
 
+#: `check_workload`'s messages (`validation.check_int` templates).
+_POSITIVE = "{name} must be a positive integer, got {value!r}"
+_NON_NEGATIVE = "{name} must be an integer >= 0, got {value!r}"
+_PAGE_BYTES = "{name} must be a positive size or auto, got {value!r}"
+_SIZE = "{name} must be a size >= 0, got {value!r}"
+
+
 def check_workload(w: Workload) -> None:
     """ValueError naming the flag of the first field of `w` that is out of range (sizes must be positive)."""
     positive = (
@@ -266,15 +276,10 @@ def check_workload(w: Workload) -> None:
         "tp",
     )
     for name in positive:
-        value = getattr(w, name)
-        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-            raise ValueError(f"{flag_of(name)} must be a positive integer, got {value!r}")
-    if w.page_bytes is not None and (
-        isinstance(w.page_bytes, bool) or not isinstance(w.page_bytes, int) or w.page_bytes < 1
-    ):
-        raise ValueError(f"--page-bytes must be a positive size or auto, got {w.page_bytes!r}")
-    if isinstance(w.weights_bytes, bool) or not isinstance(w.weights_bytes, int) or w.weights_bytes < 0:
-        raise ValueError(f"--weights must be a size >= 0, got {w.weights_bytes!r}")
+        check_int(flag_of(name), getattr(w, name), minimum=1, message=_POSITIVE, type_message=_POSITIVE)
+    if w.page_bytes is not None:
+        check_int("--page-bytes", w.page_bytes, minimum=1, message=_PAGE_BYTES, type_message=_PAGE_BYTES)
+    check_int("--weights", w.weights_bytes, minimum=0, message=_SIZE, type_message=_SIZE)
     for name in (
         "sink_frames",
         "scene_cut_every",
@@ -284,8 +289,8 @@ def check_workload(w: Workload) -> None:
         "attention_window_tokens",
     ):
         value = getattr(w, name)
-        if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 0):
-            raise ValueError(f"{flag_of(name)} must be an integer >= 0, got {value!r}")
+        if value is not None:
+            check_int(flag_of(name), value, minimum=0, message=_NON_NEGATIVE, type_message=_NON_NEGATIVE)
     if w.dtype not in ("bf16", "fp16", "fp32"):
         raise ValueError(f"--dtype must be bf16, fp16 or fp32, got {w.dtype!r}")
     if w.heads % w.ranks:
@@ -321,161 +326,129 @@ class PageCounter:
 
 
 @dataclass(slots=True)
-class _Seg:
-    kind: str  # "bf16" or "packed"
+class CountedSegment:
+    """A segment of the accounting: its kind and page count (no storage); `pack_failed` is always False here."""
+
+    kind: SegmentKind
     pages: int
+    pack_failed: bool = False
+
+    @property
+    def packed(self) -> bool:
+        """Whether the segment is packed."""
+        return self.kind == SegmentKind.PACKED
 
 
-class LayerReplay:
-    """Pure-Python mirror of one `PagedCausalKVCache`'s page accounting under the append/rewrite/pin pattern.
+class CountingLayer:
+    """One `PagedCausalKVCache` whose store counts pages instead of holding them (no tensors).
 
-    No tensors: the slot map (`SlotMap`), the effective sink and the view ranges are the cache's own pure functions;
-    segments live in a `RangeIndex` like the cache's. Each call is O(runs + log(segments) + segments touched), so
-    a replay of N chunks is O(N log N) whatever the window.
+    The cache's own `Sequencer` (slot map, roll, pin, view ranges, released segments) and pack policy
+    (`policy.pack_targets`) with `PageCounter` for a pool: a bf16 segment of `n` tokens takes
+    `DenseTokenLayout.pages_for_tokens(n)` pages, a packed one `PackedSegmentLayout.pages_for_tokens(n)`; packing
+    frees the bf16 pages, then takes the packed ones, as the cache does. Each call is O(runs + log(segments) +
+    segments touched + keep_recent_chunks + sink segments), so a replay of N chunks is O(N log N) whatever the
+    window.
     """
 
-    def __init__(self, geom: Geometry, counter: PageCounter | None = None) -> None:
+    def __init__(self, geom: Geometry, counter: PageCounter | None = None, name: str = "layer") -> None:
         self.geom = geom
+        self.name = name
         self.counter = counter if counter is not None else PageCounter()
         self.dense = geom.dense
         self.packed = geom.packed_layout()
-        self.C = geom.cache_size
-        self.W = geom.attention_window or geom.cache_size
-        self.S, self.GS = geom.sink_tokens, geom.global_sink_tokens
-        self.G = self.L = 0
-        self.P, self.PL = -1, 0
-        self.map = SlotMap()
-        self.index: RangeIndex[_Seg] = RangeIndex()
-        self.pages = {"bf16": 0, "packed": 0}
-        self.segments = {"bf16": 0, "packed": 0}
-        self._order: dict[int, RangeEntry[_Seg]] = {}  # every segment by start, oldest first
-        self._bf16_done: dict[int, RangeEntry[_Seg]] = {}  # completed bf16 segments (packing candidates)
+        spec = CacheSpec.create(
+            cache_size=geom.cache_size,
+            attention_window_size=geom.attention_window,
+            sink_tokens=geom.sink_tokens,
+            global_sink_tokens=geom.global_sink_tokens,
+        )
+        self.seq: Sequencer[CountedSegment] = Sequencer(spec)
+        self.pages = {SegmentKind.DENSE: 0, SegmentKind.PACKED: 0}
+        self.segments = {SegmentKind.DENSE: 0, SegmentKind.PACKED: 0}
+        self._order: dict[int, RangeEntry[CountedSegment]] = {}  # every segment by start, oldest first
+        self._dense: dict[int, RangeEntry[CountedSegment]] = {}  # bf16 segments (packing candidates), oldest first
 
     # ---------------------------------------------------------------- state
     @property
     def held_pages(self) -> int:
-        return self.pages["bf16"] + self.pages["packed"]
+        """Pages the layer holds."""
+        return self.pages[SegmentKind.DENSE] + self.pages[SegmentKind.PACKED]
 
     def used_bytes(self) -> int:
         """Bytes the retained tokens' rows really occupy (plus codebooks of packed segments), as the cache reports."""
+        st = self.seq.state
         if self.packed is None:
-            return self.dense.used_bytes_for_tokens(self.L)
+            return self.dense.used_bytes_for_tokens(st.local_end)
         total = 0
-        live = self.map.global_ranges()
-        for entry in self.index:
+        live = st.slot_map.global_ranges()
+        for entry in self.seq.index:
             kept = sum(max(0, min(b, entry.end) - max(a, entry.start)) for a, b in live)
-            layout = self.packed if entry.value.kind == "packed" else self.dense
+            layout = self.packed if entry.value.packed else self.dense
             total += layout.used_bytes_for_tokens(kept)
         return total
 
-    def _view_tokens(self, ls: int) -> int:
-        ranges = view_slot_ranges(
-            local_end=self.L,
-            window=self.W,
-            sink=effective_sink(self.S, self.GS, self.P, self.PL),
-            global_sink_tokens=self.GS,
-            pin_start=self.P,
-            pin_len=self.PL,
-            local_start=ls,
-            recent_window_tokens=None,
-        )
-        return sum(b - a for a, b in ranges)
-
     # ---------------------------------------------------------------- calls
+    def write(self, start: int, n: int) -> int:
+        """`update_and_get_attention_kv` of `n` tokens at global `start` (no head slice, the full view): the
+        sequencing errors of the cache. Returns the view's token count."""
+        seq = self.seq
+        plan = seq.plan_write(start, n, self.name)
+        for entry in seq.release(plan):
+            del self._order[entry.start]
+            self._dense.pop(entry.start, None)
+            self._release(entry.value)
+        segment = None
+        if plan.new_tokens:
+            segment = CountedSegment(SegmentKind.DENSE, self.dense.pages_for_tokens(plan.new_tokens))
+            self._take(segment)
+        entry = seq.commit(plan, segment)
+        if entry is not None:
+            self._order[entry.start] = self._dense[entry.start] = entry
+            if self.packed is not None:
+                self._apply_pack_policy(start, start + n)
+        return sum(b - a for a, b in seq.view_ranges(plan.local_start, None))
+
+    def _apply_pack_policy(self, keep_start: int, keep_end: int) -> None:
+        """After an advance: pack what `policy.pack_targets` selects (only bf16 segments are candidates, and the
+        newest are read only up to `keep_recent_chunks`: O(candidates + keep_recent + sink segments))."""
+        sinks = sink_segment_starts(self.seq)
+        newest = reversed(self._order.values())
+        for target in pack_targets(self.geom.quant, sinks, newest, list(self._dense.values()), (keep_start, keep_end)):
+            self._pack(target)
+
     def advance(self) -> int:
         """Append one chunk at the global end (the first denoise step). Returns the view's token count."""
-        n = self.geom.chunk_tokens
-        G, L, C = self.G, self.L, self.C
-        if L + n > C:
-            ev = L + n - C
-            E = effective_sink(self.S, self.GS, self.P, self.PL)
-            le = C
-            if le - n < E:
-                raise ValueError(f"a chunk of {n} tokens would roll onto the sink: C={C}, E={E}")
-            new_map, dropped = self.map.rolled(E, ev)
-            if self.P >= 0 and self.PL > 0 and self.P >= E:
-                self.P -= ev
-            for entry in released_segments(self.index, new_map, dropped):
-                self.index.remove(entry)
-                del self._order[entry.start]
-                self._bf16_done.pop(entry.start, None)
-                self._release(entry.value)
-        else:
-            le = L + n
-            new_map = self.map
-        self.map = new_map.appended(le - n, n, G)
-        self.G, self.L = G + n, le
-        pages = self.dense.pages_for_tokens(n)
-        self.counter.alloc(pages)
-        self.pages["bf16"] += pages
-        self.segments["bf16"] += 1
-        if self._order:
-            last = next(reversed(self._order.values()))
-            if last.value.kind == "bf16":
-                self._bf16_done[last.start] = last
-        self._order[G] = self.index.insert(G, G + n, _Seg("bf16", pages))
-        if self.packed is not None:
-            self._pack_completed()
-        return self._view_tokens(le - n)
+        return self.write(self.seq.state.global_end, self.geom.chunk_tokens)
 
     def rewrite(self) -> int:
         """Rewrite the current chunk in place (a later denoise step or the clean pass). Returns view tokens."""
-        n = self.geom.chunk_tokens
-        if n > self.G:
-            raise ValueError("rewrite before the first advance")
-        return self._view_tokens(self.L - n)
+        n, G = self.geom.chunk_tokens, self.seq.state.global_end
+        if n > G:
+            raise ValueError(f"{self.name}: rewrite before the first advance (global end {G}, chunk of {n} tokens)")
+        return self.write(G - n, n)
 
     def pin(self) -> None:
-        """`pin_current_chunk(n)` with `n` the chunk size: `P = L - n`, `PL = min(S, n)` (or unpin if S == 0)."""
-        n = self.geom.chunk_tokens
-        if self.S <= 0 or n <= 0:
-            self.P, self.PL = -1, 0
-        else:
-            self.P, self.PL = self.L - n, min(self.S, n)
+        """`pin_current_chunk(n)` with `n` the chunk size."""
+        self.seq.pin(self.geom.chunk_tokens)
 
-    # ---------------------------------------------------------------- helpers
-    def _release(self, seg: _Seg) -> None:
+    # ---------------------------------------------------------------- the counting store
+    def _take(self, seg: CountedSegment) -> None:
+        self.counter.alloc(seg.pages)
+        self.pages[seg.kind] += seg.pages
+        self.segments[seg.kind] += 1
+
+    def _release(self, seg: CountedSegment) -> None:
         self.counter.free(seg.pages)
         self.pages[seg.kind] -= seg.pages
         self.segments[seg.kind] -= 1
 
-    def _sink_ranges(self) -> list[tuple[int, int]]:
-        E = effective_sink(self.S, self.GS, self.P, self.PL)
-        out = self.map.to_global(0, min(E, self.L)) if E > 0 else []
-        if self.P >= 0 and self.PL > 0:
-            out += self.map.to_global(self.P, min(self.P + self.PL, self.L))
-        return out
-
-    def _pack_completed(self) -> None:
-        """After an advance: pack the completed segments the policy selects (the current chunk stays bf16).
-
-        The cache's rule: of the completed non-sink segments, all but the newest `keep_recent_chunks`; with
-        `cfg.sink`, the sink segments past the first `sink_keep_chunks`. Only bf16 candidates are looked at, so
-        this is O(keep_recent + sink segments + log segments). Packing frees the bf16 pages, then takes the packed.
-        """
+    def _pack(self, entry: RangeEntry[CountedSegment]) -> None:
+        """Frees the bf16 pages, then takes the packed ones."""
         assert self.packed is not None
-        if not self._bf16_done:
-            return
-        cfg = self.geom.quant
-        current = self.G - self.geom.chunk_tokens
-        sinks = sorted({e.start for g0, g1 in self._sink_ranges() for e in self.index.overlapping(g0, g1)} - {current})
-        recent: set[int] = set()
-        for start in reversed(self._order):
-            if len(recent) >= cfg.keep_recent_chunks:
-                break
-            if start != current and start not in sinks:
-                recent.add(start)
-        packed_sinks = set(sinks[cfg.sink_keep_chunks :]) if cfg.sink else set()
-        sink_set = set(sinks)
-        for start, entry in list(self._bf16_done.items()):
-            if (start in packed_sinks) if start in sink_set else (start not in recent):
-                del self._bf16_done[start]
-                pages = self.packed.pages_for_tokens(entry.end - entry.start)
-                self._release(entry.value)
-                self.counter.alloc(pages)
-                self.pages["packed"] += pages
-                self.segments["packed"] += 1
-                entry.value = _Seg("packed", pages)
+        del self._dense[entry.start]
+        self._release(entry.value)
+        entry.value = CountedSegment(SegmentKind.PACKED, self.packed.pages_for_tokens(entry.end - entry.start))
+        self._take(entry.value)
 
 
 # ---------------------------------------------------------------------------------------------------- call pattern
@@ -549,7 +522,7 @@ def replay_layer(geom: Geometry, chunks: int | None = None) -> LayerCensus:
     """Run one layer's accounting for `chunks` chunks (default `replay_chunks`) and take its census. O(N log N)."""
     chunks = replay_chunks(geom) if chunks is None else chunks
     counter = PageCounter()
-    layer = LayerReplay(geom, counter)
+    layer = CountingLayer(geom, counter)
     after: list[int] = []
     peak: list[int] = []
     best: tuple[int, int, int, int] = (0, 0, 0, 0)
@@ -564,11 +537,17 @@ def replay_layer(geom: Geometry, chunks: int | None = None) -> LayerCensus:
             layer.pin()
         if counter.used > top:
             top, idx = counter.used, k
-            best = (layer.segments["bf16"], layer.segments["packed"], layer.pages["bf16"], layer.pages["packed"])
+            segs, pages = layer.segments, layer.pages
+            best = (
+                segs[SegmentKind.DENSE],
+                segs[SegmentKind.PACKED],
+                pages[SegmentKind.DENSE],
+                pages[SegmentKind.PACKED],
+            )
         after.append(counter.used)
         peak.append(counter.high_water)
     # used bytes at the steady chunk: replay again up to it (used_bytes() walks every segment).
-    again = LayerReplay(geom)
+    again = CountingLayer(geom)
     for k in range(idx + 1):
         again.advance()
         if is_scene_cut(k, geom.scene_cut_every):

@@ -6,8 +6,8 @@ Two engines produce the same per-call timeline (`TIMELINE_FIELDS`):
   one rank (`heads / (ulysses * tp)` heads each), fed with
   `pagedqvg.synthetic.video_kv` chunks in the callers' order (see `planner.call_pattern`); figures come from
   `BlockPool.stats()` after every call.
-- `run_accounting` (`--dry-run`): the pure-Python replay of the planner (`planner.LayerReplay`), at any size, without
-  tensors.
+- `run_accounting` (`--dry-run`): the planner's replay (`planner.CountingLayer`: each cache's own sequencing core and
+  pack policy with a page counter for a store), at any size, without tensors.
 
 `summarize` compares a timeline with the plan (steady state and high-water must agree within 1%) and, for a real
 run, call by call with the accounting replay.
@@ -27,8 +27,8 @@ from .allocator import BlockPool, available_memory_bytes, format_bytes
 from .planner import (
     PLAN_MODES,
     Call,
+    CountingLayer,
     Geometry,
-    LayerReplay,
     PageCounter,
     call_pattern,
     mode_quant,
@@ -37,6 +37,7 @@ from .planner import (
 )
 from .presets import Workload
 from .quant.config import QuantConfig
+from .segment import SegmentKind
 
 #: Keys of every timeline record (bytes are whole bytes; "held" = pages in use * page_bytes).
 TIMELINE_FIELDS: tuple[str, ...] = (
@@ -165,7 +166,7 @@ def run_accounting(geom: Geometry, chunks: int, *, progress: bool | None = False
     """The pure-Python accounting of the whole pattern (no tensors): what `--dry-run` runs."""
     t0 = time.perf_counter()
     counter = PageCounter()
-    layers = [LayerReplay(geom, counter) for _ in range(geom.caches)]
+    layers = [CountingLayer(geom, counter) for _ in range(geom.caches)]
     totals = _Totals(geom.caches)
     out = Timeline("accounting", "none", geom.quant.mode)
     total = count_calls(geom, chunks)
@@ -175,7 +176,9 @@ def run_accounting(geom: Geometry, chunks: int, *, progress: bool | None = False
             view = 0
             if c.op == "advance":
                 view = layer.advance()
-                totals.update(c.cache, layer.pages["bf16"], layer.pages["packed"], layer.used_bytes())
+                totals.update(
+                    c.cache, layer.pages[SegmentKind.DENSE], layer.pages[SegmentKind.PACKED], layer.used_bytes()
+                )
             elif c.op == "pin":
                 layer.pin()
             else:
@@ -243,6 +246,16 @@ def chunk_kv(geom: Geometry, chunk_frames: int, chunk: int, seed: int, device: t
     return k.to(device), v.to(device)
 
 
+def _call(cache, c: Call, kv: tuple[torch.Tensor, torch.Tensor] | None, n: int) -> int:
+    """Run call `c` of the pattern on `cache` (chunk K/V `kv`, `n` tokens); returns the view's token count."""
+    if c.op == "pin":
+        cache.pin_current_chunk(n)
+        return 0
+    assert kv is not None
+    view = cache.update_and_get_attention_kv(key=kv[0], value=kv[1], current_chunk_start=c.chunk * n)
+    return int(view.k.shape[1])
+
+
 def run_caches(
     geom: Geometry,
     w: Workload,
@@ -288,17 +301,10 @@ def run_caches(
                 if c.chunk != current:
                     current = c.chunk
                     kv = data(c.chunk) if data is not None else chunk_kv(geom, chunk_frames, c.chunk, seed, pool.device)
-                view_tokens = 0
-                if c.op == "pin":
-                    cache.pin_current_chunk(n)
-                else:
-                    assert kv is not None
-                    view = cache.update_and_get_attention_kv(key=kv[0], value=kv[1], current_chunk_start=c.chunk * n)
-                    view_tokens = int(view.k.shape[1])
-                    del view
-                    if c.op == "advance" or quant is not None:
-                        bf16, packed = _pages_by_kind(cache)
-                        totals.update(c.cache, bf16, packed, 0)
+                view_tokens = _call(cache, c, kv, n)
+                if c.op == "advance" or (c.op != "pin" and quant is not None):
+                    bf16, packed = _pages_by_kind(cache)
+                    totals.update(c.cache, bf16, packed, 0)
                 st = pool.stats()
                 rec = _record(
                     i, c, st.used_pages, st.page_bytes, st.used_bytes, st.high_water_pages, totals, view_tokens, geom
@@ -343,6 +349,48 @@ def compare_records(a: Iterable[dict[str, object]], b: Iterable[dict[str, object
     return compared, mismatches, first
 
 
+def _measured(recs: list[dict[str, object]], ends: list[dict[str, object]]) -> dict[str, int]:
+    """The measured figures of a timeline: steady state (the largest held bytes at a chunk end), high-water, and
+    the steady record's used/waste/bf16/packed bytes (bytes)."""
+    steady = max((int(r["held_bytes"]) for r in ends), default=0)
+    rec = next((r for r in ends if r["held_bytes"] == steady), None)
+
+    def at_steady(key: str) -> int:
+        return int(rec[key]) if rec else 0
+
+    return {
+        "steady_state_bytes": steady,
+        "high_water_bytes": max((int(r["high_water_bytes"]) for r in recs), default=0),
+        "used_bytes": at_steady("used_bytes"),
+        "waste_bytes": at_steady("waste_bytes"),
+        "bf16_bytes": at_steady("bf16_bytes"),
+        "packed_bytes": at_steady("packed_bytes"),
+        "max_view_bytes": max((int(r["view_bytes"]) for r in recs), default=0),
+    }
+
+
+def _plan_only(w: Workload, geom: Geometry) -> list[dict[str, object]]:
+    """Plan figures of every quantization mode (not off) the shape allows."""
+    out: list[dict[str, object]] = []
+    for mode in PLAN_MODES:
+        if mode == "off":
+            continue
+        try:
+            g = Geometry.from_workload(w, mode_quant(geom.quant, mode, w.head_dim))
+        except ValueError:
+            continue  # this mode cannot work with the shape (e.g. block size vs head_dim)
+        p = plan_geometry(g, replay=True)
+        out.append(
+            {
+                "mode": p.mode,
+                "steady_state_bytes": p.all_bytes,
+                "high_water_bytes": p.pool_bytes,
+                "ratio_vs_dense": p.dense_bytes / p.bytes if p.bytes else None,
+            }
+        )
+    return out
+
+
 def summarize(
     w: Workload,
     geom: Geometry,
@@ -357,14 +405,11 @@ def summarize(
     )
     plan = plan_geometry(measured_geom, replay=True)
     recs = timeline.records
-    ends = chunk_end_records(recs)
-    steady = max((int(r["held_bytes"]) for r in ends), default=0)
-    steady_rec = next((r for r in ends if r["held_bytes"] == steady), None)
-    high_water = max((int(r["high_water_bytes"]) for r in recs), default=0)
+    measured = _measured(recs, chunk_end_records(recs))
     assert plan.warmup_chunks is not None
     reached = w.chunks >= plan.warmup_chunks
-    rel_steady = _rel(steady, plan.all_bytes)
-    rel_hw = _rel(high_water, plan.pool_bytes)
+    rel_steady = _rel(measured["steady_state_bytes"], plan.all_bytes)
+    rel_hw = _rel(measured["high_water_bytes"], plan.pool_bytes)
     summary: dict[str, object] = {
         "schema": SUMMARY_SCHEMA,
         "workload": w.as_dict(),
@@ -377,15 +422,7 @@ def summarize(
         "calls": len(recs),
         "seconds": round(timeline.seconds, 3),
         "pool_capacity_bytes": timeline.pool_capacity_bytes,
-        "measured": {
-            "steady_state_bytes": steady,
-            "high_water_bytes": high_water,
-            "used_bytes": int(steady_rec["used_bytes"]) if steady_rec else 0,
-            "waste_bytes": int(steady_rec["waste_bytes"]) if steady_rec else 0,
-            "bf16_bytes": int(steady_rec["bf16_bytes"]) if steady_rec else 0,
-            "packed_bytes": int(steady_rec["packed_bytes"]) if steady_rec else 0,
-            "max_view_bytes": max((int(r["view_bytes"]) for r in recs), default=0),
-        },
+        "measured": measured,
         "plan": {
             "mode": plan.mode,
             "steady_state_bytes": plan.all_bytes,
@@ -411,22 +448,7 @@ def summarize(
         compared, mismatches, first = compare_records(recs, accounting.records)
         summary["accounting"] = {"calls_compared": compared, "mismatches": mismatches, "first_mismatch": first}
     if timeline.quant_mode != geom.quant.mode or not geom.quant.enabled:
-        for mode in PLAN_MODES:
-            if mode == "off":
-                continue
-            try:
-                g = Geometry.from_workload(w, mode_quant(geom.quant, mode, w.head_dim))
-            except ValueError:
-                continue  # this mode cannot work with the shape (e.g. block size vs head_dim)
-            p = plan_geometry(g, replay=True)
-            summary["plan_only"].append(
-                {
-                    "mode": p.mode,
-                    "steady_state_bytes": p.all_bytes,
-                    "high_water_bytes": p.pool_bytes,
-                    "ratio_vs_dense": p.dense_bytes / p.bytes if p.bytes else None,
-                }
-            )
+        summary["plan_only"] = _plan_only(w, geom)
     return summary
 
 

@@ -17,8 +17,8 @@ from pagedqvg.layout import AUTO_PAGE_MAX_BYTES, AUTO_PAGE_WASTE, choose_page_by
 from pagedqvg.planner import (
     PLAN_MODES,
     POLICY_FIELDS,
+    CountingLayer,
     Geometry,
-    LayerReplay,
     budget_needed,
     call_pattern,
     closed_form_segments,
@@ -265,9 +265,9 @@ def test_replay_is_fast_for_long_windows() -> None:
     assert len(census.after) == 5000
 
 
-def test_layer_replay_rejects_rewrite_before_advance() -> None:
+def test_counting_layer_rejects_rewrite_before_advance() -> None:
     with pytest.raises(ValueError, match="before the first advance"):
-        LayerReplay(Geometry.from_workload(tiny())).rewrite()
+        CountingLayer(Geometry.from_workload(tiny())).rewrite()
 
 
 def test_segment_formula_text_matches_docstring() -> None:
