@@ -35,7 +35,7 @@ import torch
 from hypothesis import note as _hnote
 from hypothesis import strategies as st
 
-from pagedqvg import CacheConfigError, PagedCausalKVCache, SequencingError
+from pagedqvg import CacheConfigError, PagedCausalKVCache, SequencingError, policy
 from pagedqvg.kernels.kmeans import distance_error_bound, kmeans_assign_torch, kmeans_update_torch
 
 CUDA = torch.cuda.is_available()
@@ -168,10 +168,9 @@ def cache_state(cache: PagedCausalKVCache) -> tuple:
     return (
         G,
         L,
-        cache._C,
-        cache._W,
+        cache._seq.spec,
+        cache._seq.state,
         cache.pinned_range,
-        cache._map,
         tuple(cache.segments()),
         cache.resident_nbytes(),
         cache.global_end_index.clone(),
@@ -206,12 +205,12 @@ class SegmentEntry(NamedTuple):
 
 def segment_entries(cache: PagedCausalKVCache) -> list[SegmentEntry]:
     """The cache's segments in global order, with their Segment records."""
-    return [SegmentEntry(e.start, e.end, e.value) for e in cache._index]
+    return [SegmentEntry(e.start, e.end, e.value) for e in cache._seq.index]
 
 
 def segment_at(cache: PagedCausalKVCache, g: int) -> SegmentEntry | None:
     """The segment holding global token `g`, or None."""
-    e = cache._index.find(g)
+    e = cache._seq.index.find(g)
     return None if e is None else SegmentEntry(e.start, e.end, e.value)
 
 
@@ -224,7 +223,7 @@ def segment_kind(cache: PagedCausalKVCache, g: int) -> str:
 
 def cursor(cache: PagedCausalKVCache) -> tuple[int, int]:
     """(G, L): the global end (tokens written) and the local end (slots filled)."""
-    return cache._G, cache._L
+    return cache._seq.state.global_end, cache._seq.state.local_end
 
 
 def packed_store(cache: PagedCausalKVCache) -> Any:
@@ -244,7 +243,7 @@ def wrap_pressure_plan(cache: PagedCausalKVCache, wrap: Callable[[Callable], Cal
 
 def sink_segment_starts(cache: PagedCausalKVCache) -> Any:
     """Global starts of the segments holding sink or pinned slots (they follow the sink pack policy)."""
-    return cache._sink_segment_starts()
+    return policy.sink_segment_starts(cache._seq)
 
 
 # ------------------------------------------------------------------------------------------------ Triton kernel tests

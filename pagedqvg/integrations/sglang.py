@@ -34,12 +34,12 @@ import torch
 
 from ..allocator import DEFAULT_PAGE_BYTES, PAGE_ALIGN_BYTES, BlockPool
 from ..allocator.pool import available_memory_bytes
-from ..cache import SUPPORTED_DTYPES, PagedCausalKVCache
+from ..cache import PagedCausalKVCache
 from ..errors import CacheConfigError, IntegrationError
 from ..quant import QuantConfig
 from ..quant.config import SGLANG_KEYS
 from ..segment import Segment
-from ..slot_map import SlotMap
+from ..validation import SUPPORTED_DTYPES
 from ..view import CausalAttentionKVView
 
 __all__ = [
@@ -173,6 +173,53 @@ def _cursor_int(name: str, value: object) -> int | None:
     return value
 
 
+def _check_buffers(label: str, k: object, v: object) -> None:
+    """CacheConfigError unless `k` and `v` are `[batch, cache_size, heads, head_dim]` tensors of one supported
+    dtype, shape and device."""
+    for what, t in (("k", k), ("v", v)):
+        if not isinstance(t, torch.Tensor) or t.dim() != 4:
+            got = f"shape {tuple(t.shape)}" if isinstance(t, torch.Tensor) else type(t).__name__
+            raise CacheConfigError(f"{label}: {what} must be a [batch, cache_size, heads, head_dim] tensor, got {got}")
+    assert isinstance(k, torch.Tensor) and isinstance(v, torch.Tensor)
+    if v.shape != k.shape or v.dtype != k.dtype or v.device != k.device:
+        raise CacheConfigError(
+            f"{label}: v ({tuple(v.shape)}, {v.dtype}, {v.device}) differs from k ({tuple(k.shape)}, {k.dtype}, "
+            f"{k.device}); they must match"
+        )
+    if k.dtype not in SUPPORTED_DTYPES:
+        raise CacheConfigError(f"{label}: k dtype {k.dtype} is not supported; valid: {SUPPORTED_DTYPES}")
+
+
+def _check_fields(label: str, pinned_start: object, pinned_len: object, cache_size: object, window: object) -> None:
+    """CacheConfigError naming a bad pin, cache_size (an int >= 0, 0 = k.shape[1]) or attention_window_size (an
+    int) of the SGLang constructor."""
+    for what, value in (("pinned_start", pinned_start), ("pinned_len", pinned_len)):
+        if isinstance(value, bool) or not isinstance(value, int):
+            raise CacheConfigError(f"{label}: {what} must be an int, got {value!r}")
+    if pinned_start < -1 or pinned_len < 0:  # type: ignore[operator]
+        raise CacheConfigError(
+            f"{label}: pinned_start={pinned_start}, pinned_len={pinned_len} (valid: -1 or a slot; length >= 0)"
+        )
+    if isinstance(cache_size, bool) or not isinstance(cache_size, int) or cache_size < 0:
+        raise CacheConfigError(f"{label}: cache_size must be an int >= 0 (0 = k.shape[1]), got {cache_size!r}")
+    if isinstance(window, bool) or not isinstance(window, int):
+        raise CacheConfigError(f"{label}: attention_window_size must be an int, got {window!r}")
+
+
+def _check_start(label: str, g0: int, l0: int, pinned_start: int, pinned_len: int) -> None:
+    """CacheConfigError unless the constructor's cursors satisfy 0 <= local <= global and the pin lies below the
+    local end."""
+    if not 0 <= l0 <= g0:
+        raise CacheConfigError(
+            f"{label}: cursors global_end_index={g0}, local_end_index={l0} (valid: 0 <= local <= global)"
+        )
+    if pinned_start >= 0 and pinned_len > 0 and pinned_start + pinned_len > l0:
+        raise CacheConfigError(
+            f"{label}: pinned_start={pinned_start} + pinned_len={pinned_len} exceeds local_end_index={l0} "
+            f"(valid: pinned_start + pinned_len <= the local end, or pinned_start=-1)"
+        )
+
+
 class _SGLangSurface(PagedCausalKVCache):
     """What both SGLang-compatible classes add to `PagedCausalKVCache`: settable `sink_tokens` /
     `attention_window_size` / `allow_growth`, `pinned_start` / `pinned_len`, `reset_pinned_sink()`, the read-only
@@ -185,66 +232,66 @@ class _SGLangSurface(PagedCausalKVCache):
     def sink_tokens(self) -> int:
         """Tokens kept at the front when the window rolls; settable (an int >= 0, as the dense dataclass field);
         takes effect at the next call."""
-        return self._sink
+        return self._seq.spec.sink_tokens
 
     @sink_tokens.setter
     def sink_tokens(self, value: int) -> None:
         if isinstance(value, bool) or not isinstance(value, int) or value < 0:
             raise CacheConfigError(f"{self.debug_name}: sink_tokens must be an int >= 0, got {value!r}")
-        self._sink = value
+        self._seq.spec = self._seq.spec.with_(sink_tokens=value)
         self._structure_changed()
 
     @property
     def attention_window_size(self) -> int:
         """Slots a view covers; settable (an int >= 1; the dense cache's 0 = cache_size applies only at
         construction)."""
-        return self._W
+        return self._seq.spec.window
 
     @attention_window_size.setter
     def attention_window_size(self, value: int) -> None:
         if isinstance(value, bool) or not isinstance(value, int) or value < 1:
             raise CacheConfigError(
                 f"{self.debug_name}: attention_window_size must be an int >= 1 (slots), got {value!r}; "
-                f"cache_size is {self._C}"
+                f"cache_size is {self._seq.spec.cache_size}"
             )
-        self._W = value
+        self._seq.spec = self._seq.spec.with_(window=value)
         self._structure_changed()
 
     @property
     def allow_growth(self) -> bool:
         """Whether an advance that does not fit grows `cache_size` (to max(needed, 2 x cache_size)) instead of
         rolling; settable (a bool)."""
-        return self._grow
+        return self._seq.spec.allow_growth
 
     @allow_growth.setter
     def allow_growth(self, value: bool) -> None:
         if not isinstance(value, bool):
             raise CacheConfigError(f"{self.debug_name}: allow_growth must be a bool, got {value!r}")
-        self._grow = value
+        self._seq.spec = self._seq.spec.with_(allow_growth=value)
 
     @property
     def pinned_start(self) -> int:
         """The slot where the pinned chunk starts, -1 when nothing is pinned (see `pin_current_chunk`)."""
-        return self._P
+        return self._seq.state.pin_start
 
     @property
     def pinned_len(self) -> int:
         """The pinned chunk's length in tokens (0 when nothing is pinned)."""
-        return self._PL
+        return self._seq.state.pin_len
 
     def reset_pinned_sink(self) -> None:
         """Unpin (`pinned_start = -1`, `pinned_len = 0`); no data moves."""
         self._ensure_open("reset_pinned_sink")
-        self._P, self._PL = -1, 0
+        self._seq.unpin()
         self._structure_changed()
 
     # ---------------------------------------------------------------- the dense buffers, materialized
     def _materialize(self) -> tuple[torch.Tensor, torch.Tensor]:
         self._ensure_open("k / v")
-        B, C, H, D = self.batch_size, self._C, self._num_heads, self.head_dim
+        B, C, H, D = self.batch_size, self.cache_size, self._num_heads, self.head_dim
         k = torch.empty(B, C, H, D, dtype=self.dtype, device=self.device)
         v = torch.empty_like(k)
-        L = min(self._L, C)
+        L = min(self._seq.state.local_end, C)
         if L:
             saved = self._last_view_ranges
             plan = self._view_plan([(0, L)], 0, H)
@@ -306,16 +353,12 @@ class _SGLangSurface(PagedCausalKVCache):
         caller: 0 <= local <= min(g, cache_size), pin inside [0, local)): slots `[0, local)` hold tokens
         `[g - local, g)`, never written, reading the fill value; they take pool pages like any chunk. Rewrites of
         those tokens and appends at `g` work as after real writes. PoolExhaustedError if they do not fit."""
+        seg = Segment(self.pool.alloc(self.layout.pages_for_tokens(local), self.owner)) if local else None
+        self._seq.adopt(g, local, pin_start, pin_len, seg)
         if local:
-            seg = Segment(self.pool.alloc(self.layout.pages_for_tokens(local), self.owner))
-            self._index.insert(g - local, g, seg)
-            entry = self._index.find(g - local)
+            entry = self._seq.index.find(g - local)
             assert entry is not None
             self._zero_tokens(entry, g - local, g)
-            self._map = SlotMap().appended(0, local, g - local)
-        self._G, self._L = g, local
-        if pin_start >= 0 and pin_len > 0:
-            self._P, self._PL = pin_start, pin_len
         self._structure_changed()
         self._report_used()
 
@@ -364,19 +407,7 @@ class PagedCausalSelfAttentionKVCache(_SGLangSurface):
         name: str | None = None,
     ) -> None:
         label = name or _next_name("sglang-layer")
-        for what, t in (("k", k), ("v", v)):
-            if not isinstance(t, torch.Tensor) or t.dim() != 4:
-                got = f"shape {tuple(t.shape)}" if isinstance(t, torch.Tensor) else type(t).__name__
-                raise CacheConfigError(
-                    f"{label}: {what} must be a [batch, cache_size, heads, head_dim] tensor, got {got}"
-                )
-        if v.shape != k.shape or v.dtype != k.dtype or v.device != k.device:
-            raise CacheConfigError(
-                f"{label}: v ({tuple(v.shape)}, {v.dtype}, {v.device}) differs from k ({tuple(k.shape)}, {k.dtype}, "
-                f"{k.device}); they must match"
-            )
-        if k.dtype not in SUPPORTED_DTYPES:
-            raise CacheConfigError(f"{label}: k dtype {k.dtype} is not supported; valid: {SUPPORTED_DTYPES}")
+        _check_buffers(label, k, v)
         batch, slots, heads, head_dim = k.shape
         g_int = _cursor_int("global_end_index_int", global_end_index_int)
         l_int = _cursor_int("local_end_index_int", local_end_index_int)
@@ -384,33 +415,15 @@ class PagedCausalSelfAttentionKVCache(_SGLangSurface):
         l_t = _cursor_tensor("local_end_index", local_end_index, k.device)
         if g_t.untyped_storage().data_ptr() == l_t.untyped_storage().data_ptr():
             raise CacheConfigError(f"{label}: global_end_index and local_end_index must be two different tensors")
-        for what, value in (("pinned_start", pinned_start), ("pinned_len", pinned_len)):
-            if isinstance(value, bool) or not isinstance(value, int):
-                raise CacheConfigError(f"{label}: {what} must be an int, got {value!r}")
-        if pinned_start < -1 or pinned_len < 0:
-            raise CacheConfigError(
-                f"{label}: pinned_start={pinned_start}, pinned_len={pinned_len} (valid: -1 or a slot; length >= 0)"
-            )
-        if isinstance(cache_size, bool) or not isinstance(cache_size, int) or cache_size < 0:
-            raise CacheConfigError(f"{label}: cache_size must be an int >= 0 (0 = k.shape[1]), got {cache_size!r}")
+        _check_fields(label, pinned_start, pinned_len, cache_size, attention_window_size)
         cache_size = cache_size or slots
-        if isinstance(attention_window_size, bool) or not isinstance(attention_window_size, int):
-            raise CacheConfigError(f"{label}: attention_window_size must be an int, got {attention_window_size!r}")
         if pool is None:
             pool = shared_pool(k.device, token_bytes=2 * batch * heads * head_dim * k.element_size())
         if g_int is not None and l_int is not None:
             g0, l0 = g_int, l_int
         else:
             g0, l0 = int(g_t.item()), int(l_t.item())
-        if not 0 <= l0 <= g0:
-            raise CacheConfigError(
-                f"{label}: cursors global_end_index={g0}, local_end_index={l0} (valid: 0 <= local <= global)"
-            )
-        if pinned_start >= 0 and pinned_len > 0 and pinned_start + pinned_len > l0:
-            raise CacheConfigError(
-                f"{label}: pinned_start={pinned_start} + pinned_len={pinned_len} exceeds local_end_index={l0} "
-                f"(valid: pinned_start + pinned_len <= the local end, or pinned_start=-1)"
-            )
+        _check_start(label, g0, l0, pinned_start, pinned_len)
         super().__init__(
             pool=pool,
             batch_size=batch,
@@ -436,7 +449,7 @@ class PagedCausalSelfAttentionKVCache(_SGLangSurface):
         self._stale: tuple[int, int] | None = None
         try:
             if g0 or l0 or pinned_start >= 0:
-                if l0 > self._C:
+                if l0 > self.cache_size:
                     self._stale = (g0, l0)
                 else:
                     self._adopt_cursors(g0, l0, pinned_start, pinned_len)
@@ -449,7 +462,7 @@ class PagedCausalSelfAttentionKVCache(_SGLangSurface):
             g, local = self._stale
             raise CacheConfigError(
                 f"{self.debug_name}: {what}: the cache was constructed with global_end_index={g}, local_end_index="
-                f"{local}, which no state of a cache of cache_size={self._C} has (valid: 0 <= local <= "
+                f"{local}, which no state of a cache of cache_size={self.cache_size} has (valid: 0 <= local <= "
                 f"min(global, cache_size)); call reset_indices() first"
             )
 
@@ -468,11 +481,12 @@ class PagedCausalSelfAttentionKVCache(_SGLangSurface):
 
     def _sync_cursors(self) -> None:
         """Both cursor forms, as the dense cache: the ints always, the tensors whenever a cursor changed."""
-        if (self.global_end_index_int, self.local_end_index_int) == (self._G, self._L):
+        G, L = self._seq.state.global_end, self._seq.state.local_end
+        if (self.global_end_index_int, self.local_end_index_int) == (G, L):
             return
-        self.global_end_index_int, self.local_end_index_int = self._G, self._L
-        self._g_tensor.fill_(self._G)
-        self._l_tensor.fill_(self._L)
+        self.global_end_index_int, self.local_end_index_int = G, L
+        self._g_tensor.fill_(G)
+        self._l_tensor.fill_(L)
 
     def reset_indices(self) -> None:
         """Empty the cache as the dense one does: cursors 0 (both forms, the same tensors), unpinned, every page
