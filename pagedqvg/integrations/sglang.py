@@ -648,6 +648,66 @@ class PagedQVGPackedCausalKVCache(_SGLangSurface):
 
 
 # ------------------------------------------------------------------------------------------------ install
+def _packed_caches(
+    blocks: int,
+    shape: tuple[int, int, int, int],
+    dtype: torch.dtype,
+    device: Any,
+    use_int_indices: bool,
+    quant_args: Any,
+    policy: dict[str, Any],
+) -> list:
+    """One `PagedQVGPackedCausalKVCache` per block: `shape` is `(batch, cache_size, heads, head_dim)`, `policy` the
+    sink/global-sink/window/growth arguments."""
+    batch_size, cache_size, heads, head_dim = shape
+    return [
+        PagedQVGPackedCausalKVCache(
+            batch_size=batch_size,
+            cache_size=cache_size,
+            num_heads=heads,
+            head_dim=head_dim,
+            dtype=dtype,
+            device=device,
+            use_int_indices=use_int_indices,
+            global_end_index=torch.zeros(1, dtype=torch.long, device=device),
+            local_end_index=torch.zeros(1, dtype=torch.long, device=device),
+            quant_args=quant_args,
+            name=f"block{i}-{_next_name('')}",
+            **policy,
+        )
+        for i in range(blocks)
+    ]
+
+
+def _dense_caches(
+    blocks: int,
+    shape: tuple[int, int, int, int],
+    dtype: torch.dtype,
+    device: Any,
+    use_int_indices: bool,
+    policy: dict[str, Any],
+) -> list:
+    """One `PagedCausalSelfAttentionKVCache` per block (quantization off), as `_packed_caches`."""
+    int_index = 0 if use_int_indices else None
+    # One element stands in for SGLang's [batch, cache_size, heads, head_dim] zeros: only its dtype and device
+    # matter, and the shape comes from expand() (no memory).
+    proto = torch.zeros(1, 1, 1, 1, dtype=dtype, device=device).expand(*shape)
+    return [
+        PagedCausalSelfAttentionKVCache(
+            k=proto,
+            v=proto,
+            global_end_index=torch.zeros(1, dtype=torch.long, device=device),
+            local_end_index=torch.zeros(1, dtype=torch.long, device=device),
+            global_end_index_int=int_index,
+            local_end_index_int=int_index,
+            cache_size=shape[1],
+            name=f"block{i}-{_next_name('')}",
+            **policy,
+        )
+        for i in range(blocks)
+    ]
+
+
 def _paged_allocate(original):
     """The stages' `_allocate_causal_kv_cache` building paged caches (no dense buffers): SGLang's arguments, the
     stage's `_kv_quant_args` when it has them (LingBot: quantization on builds `PagedQVGPackedCausalKVCache`, with
@@ -672,51 +732,18 @@ def _paged_allocate(original):
             attention_window_size = kv_cache_size
         quant_args = getattr(self, "_kv_quant_args", None)
         quant_on = quant_args is not None and bool(getattr(quant_args, "enabled", False))
-        blocks = self.num_transformer_blocks
-        if quant_on:
-            return [
-                PagedQVGPackedCausalKVCache(
-                    batch_size=batch_size,
-                    cache_size=kv_cache_size,
-                    num_heads=num_attention_heads,
-                    head_dim=attention_head_dim,
-                    dtype=dtype,
-                    device=device,
-                    use_int_indices=use_int_indices,
-                    global_end_index=torch.zeros(1, dtype=torch.long, device=device),
-                    local_end_index=torch.zeros(1, dtype=torch.long, device=device),
-                    sink_tokens=sink_tokens,
-                    attention_window_size=attention_window_size,
-                    quant_args=quant_args,
-                    global_sink_tokens=global_sink_tokens,
-                    allow_growth=allow_growth,
-                    name=f"block{i}-{_next_name('')}",
-                )
-                for i in range(blocks)
-            ]
-        int_index = 0 if use_int_indices else None
-        # One element stands in for SGLang's [batch, cache_size, heads, head_dim] zeros: only its dtype and device
-        # matter, and the shape comes from expand() (no memory).
-        proto = torch.zeros(1, 1, 1, 1, dtype=dtype, device=device).expand(
-            batch_size, kv_cache_size, num_attention_heads, attention_head_dim
+        shape = (batch_size, kv_cache_size, num_attention_heads, attention_head_dim)
+        policy = dict(
+            sink_tokens=sink_tokens,
+            global_sink_tokens=global_sink_tokens,
+            attention_window_size=attention_window_size,
+            allow_growth=allow_growth,
         )
-        return [
-            PagedCausalSelfAttentionKVCache(
-                k=proto,
-                v=proto,
-                global_end_index=torch.zeros(1, dtype=torch.long, device=device),
-                local_end_index=torch.zeros(1, dtype=torch.long, device=device),
-                global_end_index_int=int_index,
-                local_end_index_int=int_index,
-                cache_size=kv_cache_size,
-                sink_tokens=sink_tokens,
-                global_sink_tokens=global_sink_tokens,
-                attention_window_size=attention_window_size,
-                allow_growth=allow_growth,
-                name=f"block{i}-{_next_name('')}",
+        if quant_on:
+            return _packed_caches(
+                self.num_transformer_blocks, shape, dtype, device, use_int_indices, quant_args, policy
             )
-            for i in range(blocks)
-        ]
+        return _dense_caches(self.num_transformer_blocks, shape, dtype, device, use_int_indices, policy)
 
     _allocate_causal_kv_cache.__wrapped__ = original  # type: ignore[attr-defined]
     _allocate_causal_kv_cache.__doc__ = _paged_allocate.__doc__
