@@ -8,6 +8,8 @@ from __future__ import annotations
 
 import dataclasses
 import itertools
+import subprocess
+import sys
 
 import pytest
 import torch
@@ -90,13 +92,17 @@ BF16_CASES = {
 QUANT_CASES = {
     "int2-keep1": tiny(quant=QuantConfig(bits=2, **SMALL_QUANT)),
     "int4-keep0-sinkkeep1": tiny(quant=QuantConfig(bits=4, keep_recent_chunks=0, sink_keep_chunks=1, **SMALL_QUANT)),
-    "int2-sink-off-unaligned": tiny(sink_frames=3, page_bytes=768,
-                                    quant=QuantConfig(bits=2, sink=False, keep_recent_chunks=2, **SMALL_QUANT)),
+    "int2-sink-off-unaligned": tiny(
+        sink_frames=3, page_bytes=768, quant=QuantConfig(bits=2, sink=False, keep_recent_chunks=2, **SMALL_QUANT)
+    ),
     "int2-pins": tiny(global_sink=False, scene_cut_every=3, chunks=12, quant=QuantConfig(bits=2, **SMALL_QUANT)),
     # compact's format (trits, fitted scales, fp8 codebooks) at head_dim 16: one scale per token-head
     "compact-keep1": tiny(quant=QuantConfig.compact(**SMALL_QUANT)),
-    "compact-keep0-sinkkeep1-unaligned": tiny(sink_frames=3, page_bytes=768, quant=QuantConfig.compact(
-        keep_recent_chunks=0, sink_keep_chunks=1, **SMALL_QUANT)),
+    "compact-keep0-sinkkeep1-unaligned": tiny(
+        sink_frames=3,
+        page_bytes=768,
+        quant=QuantConfig.compact(keep_recent_chunks=0, sink_keep_chunks=1, **SMALL_QUANT),
+    ),
     "compact-pins": tiny(global_sink=False, scene_cut_every=3, chunks=12, quant=QuantConfig.compact(**SMALL_QUANT)),
 }
 
@@ -143,8 +149,9 @@ def test_plan_equals_pool_stats_quantized(case: str) -> None:
 def test_closed_form_equals_replay_on_a_grid() -> None:
     """Without pins the O(1) closed form and the replay agree on every figure (sinks, windows, pages, quant)."""
     checked = 0
-    grid = itertools.product([4, 5], [1, 2, 3], [0, 1, 4], [2, 3, 7], [True, False], [None, 2], [0, 1], [0, 1],
-                             [True, False])
+    grid = itertools.product(
+        [4, 5], [1, 2, 3], [0, 1, 4], [2, 3, 7], [True, False], [None, 2], [0, 1], [0, 1], [True, False]
+    )
     for tpf, cf, sf, wf, gs, bits, keep, skeep, sink in grid:
         if wf < cf:
             continue
@@ -265,6 +272,14 @@ def test_replay_is_fast_for_long_windows() -> None:
     assert len(census.after) == 5000
 
 
+def test_planner_imports_neither_the_cache_nor_the_kernels() -> None:
+    code = (
+        "import sys, pagedqvg.planner; print(sorted(m for m in sys.modules if 'kernels' in m or m == 'pagedqvg.cache'))"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == "[]"
+
+
 def test_counting_layer_rejects_rewrite_before_advance() -> None:
     with pytest.raises(ValueError, match="before the first advance"):
         CountingLayer(Geometry.from_workload(tiny())).rewrite()
@@ -331,8 +346,10 @@ def test_compact_row_and_its_shape_limits() -> None:
     own = QuantConfig.compact(block_size=64, keep_recent_chunks=0)
     geoms, _ = setting_geometries(dataclasses.replace(PRESETS["lingbot-world"], quant=own))
     assert geoms[-1].quant is own
-    assert [g.quant for g in geoms[1:3]] == [QuantConfig(bits=4, keep_recent_chunks=0),
-                                             QuantConfig(bits=2, keep_recent_chunks=0)]
+    assert [g.quant for g in geoms[1:3]] == [
+        QuantConfig(bits=4, keep_recent_chunks=0),
+        QuantConfig(bits=2, keep_recent_chunks=0),
+    ]
 
 
 def test_compact_chunk_is_at_least_8x_smaller_in_the_plan() -> None:
@@ -355,8 +372,13 @@ def test_compact_chunk_is_at_least_8x_smaller_in_the_plan() -> None:
 
 # ---------------------------------------------------------------------------------------------------- auto pages
 TRITS = QuantConfig(bits=2, pack_trits=True)
-MODES = {"off": None, "int4": QuantConfig(bits=4), "int2": QuantConfig(bits=2), "int2-trits": TRITS,
-         "compact": "compact"}
+MODES = {
+    "off": None,
+    "int4": QuantConfig(bits=4),
+    "int2": QuantConfig(bits=2),
+    "int2-trits": TRITS,
+    "compact": "compact",
+}
 
 
 def mode_config(mode: str, head_dim: int) -> QuantConfig:
@@ -368,8 +390,12 @@ def mode_config(mode: str, head_dim: int) -> QuantConfig:
 #: Page size alone cannot reach 1% here (test below): a packed chunk's trit token region (768 tokens x 120 B =
 #: 90 KiB, compact's at head_dim 64 too) spans only a few pages, and no page may be smaller than one codebook row
 #: (128 x 64 x 2 B = 16 KiB; compact's fp8 codebooks: 8 KiB).
-PAGE_SIZE_CANNOT_REACH = {("lingbot-world-mini", "int2-trits"), ("self-forcing-mini", "int2-trits"),
-                          ("lingbot-world-mini", "compact"), ("self-forcing-mini", "compact")}
+PAGE_SIZE_CANNOT_REACH = {
+    ("lingbot-world-mini", "int2-trits"),
+    ("self-forcing-mini", "int2-trits"),
+    ("lingbot-world-mini", "compact"),
+    ("self-forcing-mini", "compact"),
+}
 
 
 @pytest.mark.parametrize("mode", sorted(MODES))

@@ -3,12 +3,15 @@
 
 from __future__ import annotations
 
+import ast
+import pathlib
 import random
 
 import pytest
 import torch
 from dense_reference import DenseReferenceCache
 
+import pagedqvg
 from pagedqvg.errors import CacheConfigError, SequencingError
 from pagedqvg.sequencing import CacheSpec, Sequencer, SlotState, effective_sink, view_slot_ranges
 from pagedqvg.slot_map import SlotMap
@@ -252,3 +255,15 @@ def test_random_calls_follow_the_dense_reference(seed: int) -> None:
     for i in range(120):
         _random_op(rng, seq, ref, i)
         _check_same(seq, ref)
+
+
+@pytest.mark.parametrize("module", ["sequencing", "policy"])
+def test_core_modules_do_not_import_torch(module: str) -> None:
+    path = pathlib.Path(pagedqvg.__file__).parent / f"{module}.py"
+    imported = set()
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.Import):
+            imported |= {a.name.split(".")[0] for a in node.names}
+        elif isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
+            imported.add(node.module.split(".")[0])
+    assert "torch" not in imported and "triton" not in imported
