@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import warnings
 import weakref
+from typing import NamedTuple
 
 import torch
 
@@ -19,15 +20,29 @@ from .allocator import BlockPool, RangeEntry
 from .errors import CacheClosedError, CacheConfigError, PackingFailedWarning
 from .layout import DenseTokenLayout
 from .packing import PackedStore, QuantizedChunk
-from .page_io import PageIO, Spans, ViewPlan
+from .page_io import PageIO, Spans, ViewPlan, WritePlan
 from .policy import layer_pack_targets, pressure_candidates, sink_segment_starts
 from .quant import QuantConfig
 from .segment import Segment, SegmentKind
-from .sequencing import CacheSpec, Sequencer, WritePlan
+from .sequencing import CacheSpec, CallPlan, Sequencer
 from .validation import SUPPORTED_DTYPES, as_index, check_int, page_bytes_at_least
 from .view import CausalAttentionKVView
 
 __all__ = ["PagedCausalKVCache", "make_layer_caches"]
+
+
+#: A dense segment and its PRQ-packed form, computed before anything changes (packed early under pool pressure).
+Packing = tuple[RangeEntry[Segment], QuantizedChunk]
+
+
+class RepeatedCall(NamedTuple):
+    """The cached plans of an in-place rewrite, reused by the same call repeated (a later denoise step)."""
+
+    local_start: int
+    local_end: int
+    write_plan: WritePlan  # where the chunk's rows go
+    ranges: list[tuple[int, int]]  # the view's slot ranges
+    view_plan: ViewPlan  # where the view's rows come from
 
 
 class PagedCausalKVCache:
@@ -439,7 +454,7 @@ class PagedCausalKVCache:
         if changed:
             self._structure_changed()
 
-    def _pressure_plan(self, deficit: int, plan: WritePlan[Segment], unpack: list[RangeEntry[Segment]]) -> list:
+    def _pressure_plan(self, deficit: int, plan: CallPlan[Segment], unpack: list[RangeEntry[Segment]]) -> list[Packing]:
         """Dense chunks to pack early so that `deficit` more pages become free, in `policy.pressure_candidates`'
         order, each already quantized (`(entry, QuantizedChunk)`; nothing changes here); empty if even packing all
         of them would not be enough."""
@@ -448,7 +463,7 @@ class PagedCausalKVCache:
             self._seq.index, sink_segment_starts(self._seq), excluded, (plan.start, plan.end)
         )
         assert self._packed is not None
-        chosen: list[tuple[RangeEntry[Segment], QuantizedChunk]] = []
+        chosen: list[Packing] = []
         for entry in candidates:
             if deficit <= 0:
                 break
@@ -555,11 +570,10 @@ class PagedCausalKVCache:
         r = self._recent_window(recent_window_tokens)
         fast_key = ("call", s, n, h0, hin, r)
         fast = self._io.cached(fast_key)
-        if fast is not None:  # the same in-place rewrite as before (a later denoise step): plans are all cached
-            ls, le, write_plan, ranges, view_plan = fast  # type: ignore[misc]
-            self._io.write(write_plan, h0, key, value)
-            self._last_view_ranges = ranges
-            return self._finish_view(view_plan, h0, hin, ls, le)
+        if isinstance(fast, RepeatedCall):  # the same in-place rewrite as before (a later denoise step)
+            self._io.write(fast.write_plan, h0, key, value)
+            self._last_view_ranges = fast.ranges
+            return self._finish_view(fast.view_plan, h0, hin, fast.local_start, fast.local_end)
         plan = self._seq.plan_write(s, n, self.debug_name)
         touched: list[RangeEntry[Segment]] = []
         if self._packed is not None:
@@ -577,10 +591,10 @@ class PagedCausalKVCache:
         self._last_view_ranges = ranges
         view_plan = self._view_plan(ranges, h0, hin)
         if not plan.new_tokens and not unpack:
-            self._io.remember(fast_key, (plan.local_start, plan.local_end, write_plan, ranges, view_plan))
+            self._io.remember(fast_key, RepeatedCall(plan.local_start, plan.local_end, write_plan, ranges, view_plan))
         return self._finish_view(view_plan, h0, hin, plan.local_start, plan.local_end)
 
-    def _commit(self, plan: WritePlan[Segment], unpack: list[RangeEntry[Segment]], hin: int) -> None:
+    def _commit(self, plan: CallPlan[Segment], unpack: list[RangeEntry[Segment]], hin: int) -> None:
         """Commit `plan` to pages: pressure packs, released segments back to the pool, packed chunks the write
         touches unpacked, the new tokens' segment, then the pack policy. Raises PoolExhaustedError (nothing changed)
         when the pages do not fit."""
@@ -608,7 +622,7 @@ class PagedCausalKVCache:
             # Heads this call does not write read as zeros (the dense cache would show stale rolled data).
             self._zero_tokens(entry, entry.start, entry.end)
 
-    def _pages_fit(self, plan: WritePlan[Segment], unpack: list[RangeEntry[Segment]]) -> list:
+    def _pages_fit(self, plan: CallPlan[Segment], unpack: list[RangeEntry[Segment]]) -> list[Packing]:
         """The pressure packs (possibly none) that make `plan` and `unpack` fit the pool; PoolExhaustedError when
         nothing does. Changes nothing."""
         pool, layout = self.pool, self.layout

@@ -143,7 +143,7 @@ class SlotState:
 
 
 @dataclass(frozen=True, slots=True)
-class WritePlan(Generic[V]):
+class CallPlan(Generic[V]):
     """Everything one write of tokens `[start, end)` changes in the sequencing, computed before anything changes."""
 
     start: int  # global position of the chunk's first token
@@ -225,7 +225,7 @@ class Sequencer(Generic[V]):
         )
 
     # ------------------------------------------------------------ writes
-    def plan_write(self, start: int, n: int, name: str) -> WritePlan[V]:
+    def plan_write(self, start: int, n: int, name: str) -> CallPlan[V]:
         """Plan a write of `n >= 1` tokens at global `start` (pure). Raises ValueError (negative start),
         SequencingError (a gap, or a rewrite of tokens no longer in the rolling tail) or CacheConfigError (an
         advance that would roll onto the sink)."""
@@ -241,7 +241,7 @@ class Sequencer(Generic[V]):
             ls = start - (G - L)
             if ls < tail:
                 raise self.sequencing_error(name, "rewrite of tokens that are no longer in the rolling tail", start, n)
-            return WritePlan(start, e, ls, ls + n, 0, spec, st)
+            return CallPlan(start, e, ls, ls + n, 0, spec, st)
         a = e - G
         if spec.allow_growth and L + a > spec.cache_size:
             grown = max(L + a, 2 * spec.cache_size)
@@ -251,10 +251,10 @@ class Sequencer(Generic[V]):
             if le - n < tail:
                 raise self.sequencing_error(name, "rewrite of tokens that are no longer in the rolling tail", start, n)
             new_map = st.slot_map.appended(le - a, a, G)
-            return WritePlan(start, e, le - n, le, a, spec, replace(st, global_end=e, local_end=le, slot_map=new_map))
+            return CallPlan(start, e, le - n, le, a, spec, replace(st, global_end=e, local_end=le, slot_map=new_map))
         return self._plan_roll(start, n, spec, name)
 
-    def _plan_roll(self, start: int, n: int, spec: CacheSpec, name: str) -> WritePlan[V]:
+    def _plan_roll(self, start: int, n: int, spec: CacheSpec, name: str) -> CallPlan[V]:
         """An advance that rolls the window: `L + a - C` slots after the effective sink are dropped."""
         st = self.state
         G, L, C = st.global_end, st.local_end, spec.cache_size
@@ -274,15 +274,15 @@ class Sequencer(Generic[V]):
         # Segments whose every token left the slots go back to the pool in this call.
         released = tuple(released_segments(self.index, new_map, dropped))
         state = replace(st, global_end=start + n, local_end=C, pin_start=pin, slot_map=new_map.appended(C - a, a, G))
-        return WritePlan(start, start + n, C - n, C, a, spec, state, released)
+        return CallPlan(start, start + n, C - n, C, a, spec, state, released)
 
-    def release(self, plan: WritePlan[V]) -> list[RangeEntry[V]]:
+    def release(self, plan: CallPlan[V]) -> list[RangeEntry[V]]:
         """Drop `plan.released` from the index and return them (the caller gives their pages back)."""
         for entry in plan.released:
             self.index.remove(entry)
         return list(plan.released)
 
-    def commit(self, plan: WritePlan[V], segment: V | None) -> RangeEntry[V] | None:
+    def commit(self, plan: CallPlan[V], segment: V | None) -> RangeEntry[V] | None:
         """Make `plan` the state (after `release`); an advance stores `segment` for its new tokens and returns its
         index entry."""
         entry = None
