@@ -208,12 +208,6 @@ def test_bad_input_raises_and_changes_nothing(name):
     call(cache, start=cursor(cache)[0] - 3)  # still usable: a rewrite of the current chunk works
 
 
-def test_sequencing_error_is_not_implemented_error():
-    assert issubclass(SequencingError, NotImplementedError)
-    assert issubclass(CacheConfigError, ValueError)
-    assert issubclass(PoolExhaustedError, MemoryError)
-
-
 def test_pool_exhausted_mid_advance_changes_nothing():
     # A token row is 4 heads x 8 x 4 B = 128 B; K and V rows of one token: 256 B; a 1 KiB page holds 4 tokens.
     pool = BlockPool(capacity_bytes=6 * 1024, page_bytes=1024)
