@@ -25,7 +25,7 @@ unset PAGEDQVG_KERNELS TRITON_INTERPRET  # the kernel test files choose (the int
 kernel_files=(tests/test_kernels_dequant.py tests/test_kernels_residual_pack.py tests/test_kernels_view_runs.py)
 kernel_select="kmeans or packed_views or packed_store or mixed_views or fp8"
 # ... and the PRQ / quantized-cache files (k-means in torch: tiling, accuracy bounds, dense-vs-packed views).
-torch_files=(tests/test_quant_prq.py tests/test_cache_quant.py tests/test_synthetic.py)
+torch_files=(tests/test_quant_prq.py tests/test_quant_format.py tests/test_cache_quant.py tests/test_synthetic.py)
 
 start=$SECONDS
 status=0
