@@ -18,6 +18,8 @@ reads it when it decorates kernels), so the Triton kernel tests run in Triton's 
   uses numpy's BLAS, torch its own; both pick kernels by the CPU's instruction set), so their k-means results are
   compared against the documented contract (kernels/kmeans.py), never bit for bit, unless the data make the
   arithmetic exact.
+- Token-row arenas of random bits for the dense kernels (`make_rows`) and row indices into them (`unique_rows`
+  for writes, `any_rows` for gathers).
 """
 
 from __future__ import annotations
@@ -426,3 +428,28 @@ def contract_checked_kmeans(monkeypatch, target=None) -> dict[str, int]:
     monkeypatch.setattr(target, "kmeans_assign", assign, raising=False)
     monkeypatch.setattr(target, "kmeans_update", update, raising=False)
     return counts
+
+
+# ------------------------------------------------------------------------------------------------ token-row arenas
+def make_rows(
+    num_pages: int, rpp: int, heads: int, d: int, dtype: torch.dtype, gen: torch.Generator, pad: int = 5
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """An arena of random bits and its `[num_pages, rpp, H, D]` token-row view, laid out like rows.token_rows."""
+    arena = random_bits((num_pages, rpp * heads * d + pad), dtype, gen)
+    return arena, arena[:, : rpp * heads * d].view(num_pages, rpp, heads, d)
+
+
+def unique_rows(
+    num_pages: int, rpp: int, batch: int, n: int, gen: torch.Generator
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """A `[2, B, n]` row index with all rows distinct (a write target)."""
+    flat = torch.randperm(num_pages * rpp, generator=gen)[: 2 * batch * n].view(2, batch, n)
+    return flat // rpp, flat % rpp
+
+
+def any_rows(
+    num_pages: int, rpp: int, batch: int, t: int, gen: torch.Generator
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """A `[2, B, T]` row index drawn with replacement (a gather may read a row twice)."""
+    flat = torch.randint(0, num_pages * rpp, (2, batch, t), generator=gen)
+    return flat // rpp, flat % rpp

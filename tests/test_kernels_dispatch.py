@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from helpers import bits, make_rows, random_bits, unique_rows
 
 from pagedqvg.kernels import dispatch
 
@@ -57,3 +58,35 @@ def test_kernels_package_exports_no_name_of_a_submodule():
         module = importlib.import_module(f"pagedqvg.kernels.{name}")
         assert getattr(kernels, name) is module
     assert kernels.kernel_backend is dispatch.kernel_backend and kernels.triton_available is dispatch.triton_available
+
+
+def test_kernel_backend_choices(monkeypatch):
+    monkeypatch.delenv("PAGEDQVG_KERNELS", raising=False)
+    assert dispatch.kernel_backend(torch.device("cpu")) == "torch"
+    assert dispatch.kernel_backend("cpu") == "torch"
+    if dispatch.triton_available():
+        assert dispatch.kernel_backend(torch.device("cuda")) == "triton"
+    else:  # auto: CUDA tensors fall back to torch, with a warning naming the import error (once per process)
+        dispatch._warn_fallback.cache_clear()
+        with pytest.warns(RuntimeWarning, match=r"Triton kernels unavailable \(.+\); CUDA tensors use the slower"):
+            assert dispatch.kernel_backend(torch.device("cuda")) == "torch"
+    for forced in ("torch", "triton"):
+        monkeypatch.setenv("PAGEDQVG_KERNELS", forced.upper())
+        assert dispatch.kernel_backend(torch.device("cpu")) == forced
+        assert dispatch.kernel_backend(torch.device("cuda")) == forced
+    monkeypatch.setenv("PAGEDQVG_KERNELS", "cuda")
+    with pytest.raises(ValueError, match="PAGEDQVG_KERNELS"):
+        dispatch.kernel_backend(torch.device("cpu"))
+
+
+def test_torch_backend_never_touches_triton(monkeypatch):
+    """With PAGEDQVG_KERNELS=torch the torch references run (no interpreter needed)."""
+    monkeypatch.setenv("PAGEDQVG_KERNELS", "torch")
+    gen = torch.Generator().manual_seed(5)
+    _, rows = make_rows(3, 3, 2, 16, torch.float16, gen)
+    pidx, sidx = unique_rows(3, 3, 1, 2, gen)
+    key = random_bits((1, 2, 2, 16), torch.float16, gen)
+    dispatch.page_write(rows, pidx, sidx, 0, key, key)
+    out = torch.empty(2, 1, 2, 2, 16, dtype=torch.float16)
+    dispatch.view_build(rows, pidx, sidx, 0, 2, out)
+    assert torch.equal(bits(out[0]), bits(key)) and torch.equal(bits(out[1]), bits(key))

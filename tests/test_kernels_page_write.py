@@ -1,4 +1,5 @@
-"""Triton kernels against their torch references, bit for bit, plus dispatch and compile-shape checks.
+"""The page write and page fill Triton kernels against their torch references, bit for bit, plus the compile-shape
+checks of the dense kernels (page write, page fill, view build: one AOT report).
 
 Where the kernels run: with no CUDA device, through Triton's interpreter on CPU tensors. Triton reads
 TRITON_INTERPRET when it decorates kernels (and its own library functions at `import triton`), so this module sets
@@ -22,15 +23,13 @@ from helpers import (  # sets TRITON_INTERPRET
     bits,
     compiled_mode_json,
     kernel_device,
+    make_rows,
     random_bits,
     rerun_interpreted,
+    unique_rows,
 )
 
-from pagedqvg import BlockPool, PagedCausalKVCache
-from pagedqvg.kernels import dispatch
 from pagedqvg.kernels.page_write import page_fill_torch, page_write_torch
-from pagedqvg.kernels.triton_common import Tile, tile_for
-from pagedqvg.kernels.view_build import view_build_torch
 
 try:
     from pagedqvg.kernels import triton_page_write as tpw
@@ -44,12 +43,6 @@ except Exception as exc:  # pragma: no cover - depends on the install
 DEVICE, WHY = kernel_device(TRITON_ERROR, tvb and tvb._view_build_kernel)
 needs_kernels = pytest.mark.skipif(DEVICE is None, reason=WHY)
 DTYPES = (torch.float32, torch.float16, torch.bfloat16)
-
-
-def make_rows(num_pages: int, rpp: int, heads: int, d: int, dtype, gen, pad: int = 5):
-    """An arena of random bits and its `[num_pages, rpp, H, D]` token-row view, laid out like rows.token_rows."""
-    arena = random_bits((num_pages, rpp * heads * d + pad), dtype, gen)
-    return arena, arena[:, : rpp * heads * d].view(num_pages, rpp, heads, d)
 
 
 def make_kv(kind: str, batch: int, n: int, hin: int, d: int, dtype, gen, device="cpu") -> torch.Tensor:
@@ -71,18 +64,6 @@ def make_kv(kind: str, batch: int, n: int, hin: int, d: int, dtype, gen, device=
     if kind == "expanded":  # stride 0 over the batch
         return base(1, n, hin, d).expand(batch, n, hin, d)
     raise AssertionError(kind)
-
-
-def unique_rows(num_pages: int, rpp: int, batch: int, n: int, gen) -> tuple[torch.Tensor, torch.Tensor]:
-    """A `[2, B, n]` row index with all rows distinct (a write target)."""
-    flat = torch.randperm(num_pages * rpp, generator=gen)[: 2 * batch * n].view(2, batch, n)
-    return flat // rpp, flat % rpp
-
-
-def any_rows(num_pages: int, rpp: int, batch: int, t: int, gen) -> tuple[torch.Tensor, torch.Tensor]:
-    """A `[2, B, T]` row index drawn with replacement (a gather may read a row twice)."""
-    flat = torch.randint(0, num_pages * rpp, (2, batch, t), generator=gen)
-    return flat // rpp, flat % rpp
 
 
 def to_dev(*ts):
@@ -160,139 +141,6 @@ def test_empty_calls_touch_nothing():
     out = torch.empty(2, 1, 0, 2, 16, dtype=torch.bfloat16, device=DEVICE)
     assert tvb.view_build_triton(rows, empty, empty, 0, 2, out) is out
     assert torch.equal(bits(arena_d.cpu()), bits(arena))
-
-
-# ---------------------------------------------------------------------------------------------- view build
-# (B, T, H, Hin, head_start, D, rows_per_page, num_pages, tile override, non-contiguous index)
-VIEW_CASES = [
-    (1, 1, 1, 1, 0, 16, 1, 3, None, False),  # one-token view
-    (1, 6, 3, 3, 0, 16, 3, 4, None, False),
-    (2, 11, 4, 2, 1, 24, 5, 5, None, True),  # batch 2, head slice, D not a power of two, strided index
-    (3, 9, 5, 3, 2, 16, 7, 4, (2, 16), False),  # one head per program
-    (2, 17, 3, 1, 2, 8, 3, 7, (4, 8), False),
-]
-
-
-def _view_id(case):
-    b, t, h, hin, h0, d, rpp, _p, tile, strided = case
-    return (
-        f"B{b}-T{t}-H{h}-heads{h0}+{hin}-D{d}-rpp{rpp}"
-        + (f"-tile{tile[0]}x{tile[1]}" if tile else "")
-        + ("-strided_index" if strided else "")
-    )
-
-
-@needs_kernels
-@pytest.mark.parametrize("dtype", DTYPES, ids=str)
-@pytest.mark.parametrize("case", VIEW_CASES, ids=_view_id)
-def test_view_build_matches_torch(case, dtype):
-    b, t, h, hin, h0, d, rpp, num_pages, tile, strided = case
-    gen = torch.Generator().manual_seed(zlib.crc32(_view_id(case).encode()))
-    arena, rows = make_rows(num_pages, rpp, h, d, dtype, gen)
-    pidx, sidx = any_rows(num_pages, rpp, b, t, gen)
-    if strided:
-        pidx = pidx.transpose(1, 2).contiguous().transpose(1, 2)
-        sidx = sidx.transpose(1, 2).contiguous().transpose(1, 2)
-    ref = random_bits((2, b, t, hin, d), dtype, gen)
-    out = ref.clone()
-    view_build_torch(rows, pidx, sidx, h0, hin, ref)
-
-    arena_d = arena.to(DEVICE)
-    rows_d = arena_d[:, : rpp * h * d].view(num_pages, rpp, h, d)
-    pidx_d, sidx_d = (pidx, sidx) if DEVICE.type == "cpu" else to_dev(pidx, sidx)
-    out_d = out.to(DEVICE)
-    kw = {} if tile is None else {"block_rows": tile[0], "block_cols": tile[1]}
-    assert tvb.view_build_triton(rows_d, pidx_d, sidx_d, h0, hin, out_d, **kw) is out_d
-    assert torch.equal(bits(out_d.cpu()), bits(ref))
-    assert torch.equal(bits(arena_d.cpu()), bits(arena))  # the source is untouched
-
-
-# ---------------------------------------------------------------------------------------------- via the cache
-def _scenario(cache: PagedCausalKVCache, hin: int, head_start: int | None, dtype, gen) -> list[torch.Tensor]:
-    """Appends that roll past a sink, rewrites of the current chunk, a pin, a rewind; every view's K and V."""
-    views = []
-
-    def step(start: int, n: int, **kw):
-        k = random_bits((cache.batch_size, n, hin, cache.head_dim), dtype, gen).to(cache.device)
-        v = random_bits((cache.batch_size, n, hin, cache.head_dim), dtype, gen).to(cache.device)
-        view = cache.update_and_get_attention_kv(
-            key=k, value=v, current_chunk_start=start, cache_head_start=head_start, **kw
-        )
-        views.extend([view.k.cpu(), view.v.cpu()])
-
-    step(0, 3)
-    step(0, 3)  # denoise step: rewrite of the current chunk
-    step(3, 3)
-    step(6, 3)  # rolls (C = 8, sink 2)
-    cache.pin_current_chunk(3)
-    step(9, 1)  # one-token chunk
-    step(10, 3, recent_window_tokens=2)
-    cache.rewind_to(11)
-    step(11, 2)
-    return views
-
-
-@needs_kernels
-@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=str)
-@pytest.mark.parametrize("heads", ["all", "slice"])
-def test_cache_views_identical_with_triton_and_torch(monkeypatch, dtype, heads):
-    h, hin, h0 = 3, (3 if heads == "all" else 2), (None if heads == "all" else 1)
-    results = {}
-    for backend in ("torch", "triton"):
-        monkeypatch.setenv("PAGEDQVG_KERNELS", backend)
-        assert dispatch.kernel_backend(DEVICE) == backend
-        pool = BlockPool(16 * 1024, page_bytes=1024, device=DEVICE)
-        cache = PagedCausalKVCache(pool=pool, batch_size=2, cache_size=8, num_heads=h, head_dim=16, dtype=dtype,
-                                   device=DEVICE, sink_tokens=2)  # fmt: skip
-        results[backend] = _scenario(cache, hin, h0, dtype, torch.Generator().manual_seed(11))
-    assert len(results["torch"]) == len(results["triton"])
-    for a, b in zip(results["torch"], results["triton"], strict=True):
-        assert torch.equal(bits(a), bits(b))
-
-
-# ---------------------------------------------------------------------------------------------- dispatch
-def test_kernel_backend_choices(monkeypatch):
-    monkeypatch.delenv("PAGEDQVG_KERNELS", raising=False)
-    assert dispatch.kernel_backend(torch.device("cpu")) == "torch"
-    assert dispatch.kernel_backend("cpu") == "torch"
-    if dispatch.triton_available():
-        assert dispatch.kernel_backend(torch.device("cuda")) == "triton"
-    else:  # auto: CUDA tensors fall back to torch, with a warning naming the import error (once per process)
-        dispatch._warn_fallback.cache_clear()
-        with pytest.warns(RuntimeWarning, match=r"Triton kernels unavailable \(.+\); CUDA tensors use the slower"):
-            assert dispatch.kernel_backend(torch.device("cuda")) == "torch"
-    for forced in ("torch", "triton"):
-        monkeypatch.setenv("PAGEDQVG_KERNELS", forced.upper())
-        assert dispatch.kernel_backend(torch.device("cpu")) == forced
-        assert dispatch.kernel_backend(torch.device("cuda")) == forced
-    monkeypatch.setenv("PAGEDQVG_KERNELS", "cuda")
-    with pytest.raises(ValueError, match="PAGEDQVG_KERNELS"):
-        dispatch.kernel_backend(torch.device("cpu"))
-
-
-def test_torch_backend_never_touches_triton(monkeypatch):
-    """With PAGEDQVG_KERNELS=torch the torch references run (no interpreter needed)."""
-    monkeypatch.setenv("PAGEDQVG_KERNELS", "torch")
-    gen = torch.Generator().manual_seed(5)
-    _, rows = make_rows(3, 3, 2, 16, torch.float16, gen)
-    pidx, sidx = unique_rows(3, 3, 1, 2, gen)
-    key = random_bits((1, 2, 2, 16), torch.float16, gen)
-    dispatch.page_write(rows, pidx, sidx, 0, key, key)
-    out = torch.empty(2, 1, 2, 2, 16, dtype=torch.float16)
-    dispatch.view_build(rows, pidx, sidx, 0, 2, out)
-    assert torch.equal(bits(out[0]), bits(key)) and torch.equal(bits(out[1]), bits(key))
-
-
-def test_tile_depends_on_the_layer_shape_only():
-    t = tile_for(128, 40)
-    assert (t.block_d, t.heads_per_block, t.block_r) == (128, 8, 4)  # 4 x 1024 elements = 8 KiB of bf16
-    assert tile_for(128, 24) == t
-    assert tile_for(32, 2) == Tile(64, 32, 2)  # small layers: no columns for heads that do not exist
-    assert tile_for(24, 3).block_d == 32 and tile_for(200, 1).heads_per_block == 1
-    assert tile_for(128, 40, interpreted=True).block_r == 16  # few, big programs in the interpreter
-    assert tile_for(16, 5, 2, 16) == Tile(2, 16, 1)
-    with pytest.raises(ValueError):
-        tile_for(128, 40, block_rows=3)
 
 
 # ---------------------------------------------------------------------------------------------- subprocess checks
