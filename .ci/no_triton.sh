@@ -114,7 +114,7 @@ EOF
 # --- 4. the quick subset -----------------------------------------------------------------------------------------
 status=0
 python -m pytest -q -p no:cacheprovider -rs tests/test_kernels_page_write.py tests/test_kernels_view_build.py \
-  tests/test_kernels_dequant.py tests/test_kernels_residual_pack.py tests/test_kernels_view_runs.py \
+  tests/test_kernels_kmeans.py tests/test_kernels_dequant.py tests/test_kernels_residual_pack.py tests/test_kernels_view_runs.py \
   tests/test_kernels_dispatch.py tests/test_kernels_triton_common.py tests/test_quant_prq.py tests/test_quant_format.py \
   tests/test_quant_config.py tests/test_cache_quant.py "$@" || status=$?
 echo "no_triton: exit $status after $((SECONDS - start)) s" >&2

@@ -22,7 +22,8 @@ fi
 unset PAGEDQVG_KERNELS TRITON_INTERPRET  # the kernel test files choose (the interpreter on a CPU-only machine)
 
 # The torch-vs-Triton k-means and pack comparisons and the cache-level views over packed segments ...
-kernel_files=(tests/test_kernels_dequant.py tests/test_kernels_residual_pack.py tests/test_kernels_view_runs.py)
+kernel_files=(tests/test_kernels_kmeans.py tests/test_kernels_dequant.py tests/test_kernels_residual_pack.py
+  tests/test_kernels_view_runs.py)
 kernel_select="kmeans or packed_views or packed_store or mixed_views or fp8"
 # ... and the PRQ / quantized-cache files (k-means in torch: tiling, accuracy bounds, dense-vs-packed views).
 torch_files=(tests/test_quant_prq.py tests/test_quant_format.py tests/test_cache_quant.py tests/test_synthetic.py)

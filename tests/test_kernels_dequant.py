@@ -1,4 +1,4 @@
-"""Packed-view dequantization and k-means assignment kernels against their torch references.
+"""The packed-view dequantization kernel against its torch reference (the k-means kernels: test_kernels_kmeans.py).
 
 Runs like tests/test_kernels_page_write.py: without CUDA the Triton kernels run in Triton's interpreter on CPU tensors
 (TRITON_INTERPRET=1 is set here before anything imports triton; if triton was already imported in compiled mode,
@@ -12,12 +12,6 @@ on CUDA tensors with compiled kernels.
   scales and zeros with random bytes (fp8 NaN/subnormal/negative patterns) and codebooks with random finite bits;
   there NaN positions must agree and every other element is bit-identical (NaN payloads are not compared: torch
   itself writes different bf16 NaN payloads on its scalar and vector paths).
-- k-means ids are compared exactly where the arithmetic is exact (small integers times powers of two: any summation
-  order gives the same distances, so ties to the lowest index are tested exactly) and where every token's margin
-  between its two nearest centroids exceeds the fp32 error bound (asserted on the data); elsewhere (random data,
-  constructed near-ties) the ids may differ, and every difference is checked to lie within the fp32 error bound of
-  the two distances (kmeans.distance_error_bound). Which tokens differ depends on the summation orders, i.e. on the
-  BLAS and instruction set of the machine, so no test asserts that none do.
 - The cache-level comparison packs both caches with the torch k-means results and checks the Triton k-means results
   against that contract at every step (helpers.contract_checked_kmeans).
 """
@@ -30,10 +24,8 @@ import pytest
 import torch
 from helpers import (  # sets TRITON_INTERPRET
     bits,
-    check_near_ties,
     compiled_mode_json,
     contract_checked_kmeans,
-    distance_margins,
     kernel_device,
     packed_store,
     random_bits,
@@ -41,19 +33,16 @@ from helpers import (  # sets TRITON_INTERPRET
 )
 
 from pagedqvg import BlockPool, PagedCausalKVCache
-from pagedqvg.kernels import dispatch
 from pagedqvg.kernels.dequant import packed_dequant_torch, piece_table
-from pagedqvg.kernels.kmeans import kmeans_assign_torch
 from pagedqvg.packing import PackedStore
 from pagedqvg.quant import FP8_DTYPE, PackedFormat, QuantConfig, prq_dequantize, prq_quantize
 
 try:
     from pagedqvg.kernels import triton_dequant as tdq
-    from pagedqvg.kernels import triton_kmeans as tkm
 
     TRITON_ERROR = None
 except Exception as exc:  # pragma: no cover - depends on the install
-    tdq = tkm = None
+    tdq = None
     TRITON_ERROR = f"{type(exc).__name__}: {exc}"
 
 DEVICE, WHY = kernel_device(TRITON_ERROR, tdq and tdq._packed_dequant_kernel)
@@ -358,100 +347,6 @@ def test_packed_dequant_rejects_cache_dtype_codebooks_for_fp8_format():
     with pytest.raises(ValueError, match=r"codebooks must be torch\.float8_e4m3fn"):
         check_packed_dequant(tokens, torch.zeros(2, 4, 4, 16, dtype=torch.bfloat16), pieces, cb_pages, 0, out, fmt)
     check_packed_dequant(tokens, torch.zeros(2, 4, 4, 16, dtype=FP8_DTYPE), pieces, cb_pages, 0, out, fmt)
-
-
-# ---------------------------------------------------------------------------------------------- k-means assign
-# (name, H, S, K, D)
-KMEANS_SHAPES = [("H2-S300-K128-D64", 2, 300, 128, 64), ("H3-S70-K37-D24", 3, 70, 37, 24), ("K1", 1, 9, 1, 16),
-                 ("K-gt-S", 2, 5, 77, 32)]  # fmt: skip
-
-
-@needs_kernels
-@pytest.mark.parametrize("shape", KMEANS_SHAPES, ids=lambda s: s[0])
-def test_kmeans_assign_exact_arithmetic_identical(shape):
-    """Small integers / 16: every distance is exact in fp32 whatever the order, so ids (ties included) are equal."""
-    _, H, S, K, D = shape
-    gen = torch.Generator().manual_seed(zlib.crc32(shape[0].encode()))
-    x = torch.randint(-8, 8, (H, S, D), generator=gen).float() / 16
-    c = torch.randint(-8, 8, (H, K, D), generator=gen).float() / 16
-    if K > 3:
-        c[:, 3] = c[:, 1]  # exact duplicate: must resolve to 1
-        x[:, : min(S, 4)] = c[:, 1:2]  # tokens sitting on it
-    ref = kmeans_assign_torch(x, c)
-    got = tkm.kmeans_assign_triton(x.to(DEVICE), c.to(DEVICE)).cpu()
-    assert torch.equal(got, ref)
-    if K > 3:
-        assert not (got == 3).any()
-
-
-@needs_kernels
-@pytest.mark.parametrize("shape", KMEANS_SHAPES[:2], ids=lambda s: s[0])
-def test_kmeans_assign_random_data(shape):
-    """PRQ-like input (normalised to |x| < 1, centroids K distinct tokens, a strided x): the contract, i.e. ids
-    equal except at rounding-level near-ties, each verified (which tokens are near-ties depends on the summation
-    orders, i.e. on the machine's BLAS); every token whose two nearest centroids are further apart than the fp32
-    error bound has the same id on both paths, and on this data that is nearly every token (an exact fp64 property
-    of the data, the same on every machine)."""
-    _, H, S, K, D = shape
-    gen = torch.Generator().manual_seed(zlib.crc32(("r" + shape[0]).encode()))
-    x = torch.randn(S, H, D, generator=gen).transpose(0, 1)  # [H, S, D], non-contiguous like a transposed segment
-    x = x / (2 * x.abs().amax())
-    c = x[:, torch.randperm(S, generator=gen)[:K]].contiguous()
-    ref = kmeans_assign_torch(x.contiguous(), c)
-    got = tkm.kmeans_assign_triton(x.to(DEVICE), c.to(DEVICE)).cpu()
-    check_near_ties(x, c, got, ref)
-    gap, bound = distance_margins(x, c)
-    clear = gap > bound
-    assert torch.equal(got[clear], ref[clear])
-    assert int(clear.sum()) >= 0.95 * H * S, int(clear.sum())  # measured: all but a handful of the H * S tokens
-
-
-@needs_kernels
-@pytest.mark.parametrize("shape", KMEANS_SHAPES, ids=lambda s: s[0])
-def test_kmeans_assign_separated_data_identical(shape):
-    """Tokens near well-separated centroids: every token's margin (second-nearest minus nearest exact distance)
-    exceeds the sum of the two fp32 error bounds (asserted), so any summation order picks the same centroid and the
-    ids are equal on every machine."""
-    name, H, S, K, D = shape
-    gen = torch.Generator().manual_seed(zlib.crc32(("s" + name).encode()))
-    c = torch.randn(H, K, D, generator=gen)
-    c = c / c.norm(dim=-1, keepdim=True)  # unit vectors: random pairs are ~sqrt(2) apart in D >= 16
-    own = torch.randint(K, (H, S), generator=gen)
-    x = c[torch.arange(H)[:, None], own] + torch.randn(H, S, D, generator=gen) * (0.02 / D**0.5)
-    gap, bound = distance_margins(x, c)
-    assert bool((gap > bound).all()), "test data: a token is within rounding of two centroids"
-    ref = kmeans_assign_torch(x, c)
-    assert torch.equal(ref, own)  # the intended centroid (which also checks the data)
-    got = tkm.kmeans_assign_triton(x.transpose(0, 1).contiguous().transpose(0, 1).to(DEVICE), c.to(DEVICE)).cpu()
-    assert torch.equal(got, ref)
-
-
-@needs_kernels
-def test_kmeans_assign_near_ties_within_rounding():
-    """Tokens on the bisector of two centroids (plus 1e-7 noise): ids may differ, only within the error bound, and
-    only where the data leave the two nearest centroids within rounding of each other."""
-    gen = torch.Generator().manual_seed(17)
-    H, S, K, D = 2, 600, 48, 64
-    c = torch.randn(H, K, D, generator=gen) * 0.1
-    a = torch.randint(K, (H, S), generator=gen)
-    b = torch.randint(K, (H, S), generator=gen)
-    heads = torch.arange(H)[:, None]
-    x = (c[heads, a] + c[heads, b]) / 2 + torch.randn(H, S, D, generator=gen) * 1e-7
-    ref = kmeans_assign_torch(x, c)
-    got = tkm.kmeans_assign_triton(x.to(DEVICE), c.to(DEVICE)).cpu()
-    n_diff = check_near_ties(x, c, got, ref)
-    gap, bound = distance_margins(x, c)
-    ambiguous = gap <= bound
-    assert int(ambiguous.sum()) > S * H // 20  # the data are adversarial (exact fp64 property, any machine)
-    assert n_diff <= int(ambiguous.sum())
-    assert torch.equal(got[~ambiguous], ref[~ambiguous])
-
-
-def test_kmeans_dispatch_torch_backend(monkeypatch):
-    monkeypatch.setenv("PAGEDQVG_KERNELS", "torch")
-    x = torch.randn(2, 5, 8)
-    c = x[:, :3].clone()
-    assert torch.equal(dispatch.kmeans_assign(x, c)[:, :3], torch.arange(3).expand(2, 3))
 
 
 # ---------------------------------------------------------------------------------------------- subprocess checks

@@ -1,4 +1,5 @@
-"""PRQ quantize kernels (k-means update, residual pack into pages) against their torch references.
+"""The residual pack kernel (PRQ's last quantize step, into pages) against its torch reference, and the pack path
+with the Triton k-means steps (the k-means kernels themselves: test_kernels_kmeans.py).
 
 Runs like tests/test_kernels_dequant.py: without CUDA the Triton kernels run in Triton's interpreter on CPU tensors
 (TRITON_INTERPRET=1 is set before anything imports triton; `test_interpreter_in_subprocess` reruns this file in a
@@ -8,8 +9,6 @@ fresh process if triton was imported in compiled mode first). On a CUDA machine 
   every code format, D not a power of two, token counts that are not multiples of the tile, one token, scrambled
   (page, slot) destinations and blocks at the edges of the number format (zero, constant, fp8 underflow, clipping,
   -0.0). Its fp8 encoder and round-half-even are checked against torch exhaustively at every rounding boundary.
-- k-means update: identical where sums are exact (dyadic data), else within `helpers.update_error_bound` (the
-  contract of kernels/kmeans.py); deterministic; empty clusters keep their centroid.
 - The cache's pack path (PackedStore.quantize + write) gives the same page bytes with the Triton steps as with
   torch, given the same k-means results; the Triton k-means results of every step are checked against their
   contract on the way (helpers.contract_checked_kmeans). Free-running k-means is never compared bit for bit
@@ -25,16 +24,13 @@ import torch
 from helpers import (  # sets TRITON_INTERPRET
     compiled_mode_json,
     contract_checked_kmeans,
-    exact_means,
     kernel_device,
     random_bits,
     rerun_interpreted,
-    update_error_bound,
 )
 
 from pagedqvg import BlockPool
 from pagedqvg.kernels import dispatch
-from pagedqvg.kernels.kmeans import kmeans_update_torch
 from pagedqvg.kernels.residual_pack import residual_pack_torch
 from pagedqvg.layout import page_pieces
 from pagedqvg.packing import PackedStore
@@ -44,12 +40,11 @@ try:
     import triton
     import triton.language as tl
 
-    from pagedqvg.kernels import triton_kmeans as tkm
     from pagedqvg.kernels import triton_residual_pack as trp
 
     TRITON_ERROR = None
 except Exception as exc:  # pragma: no cover - depends on the install
-    trp = tkm = None
+    trp = None
     TRITON_ERROR = f"{type(exc).__name__}: {exc}"
 
 DEVICE, WHY = kernel_device(TRITON_ERROR, trp and trp._residual_pack_kernel)
@@ -231,57 +226,6 @@ def test_residual_pack_bad_arguments_change_nothing(backend, monkeypatch):
         with pytest.raises(exc, match=msg):
             dispatch.residual_pack(*args, fmt)
         assert torch.equal(dest, before)
-
-
-# ---------------------------------------------------------------------------------------------- k-means update
-# (name, H, S, K, D)
-UPDATE_SHAPES = [("H2-S300-K128-D64", 2, 300, 128, 64), ("H3-S70-K37-D24", 3, 70, 37, 24), ("S1", 2, 1, 5, 16),
-                 ("K-gt-S", 2, 5, 77, 32), ("H4-S600-K128-D128", 4, 600, 128, 128)]  # fmt: skip
-
-
-@needs_kernels
-@pytest.mark.parametrize("shape", UPDATE_SHAPES, ids=lambda s: s[0])
-def test_kmeans_update_matches_reference(shape):
-    name, H, S, K, D = shape
-    gen = torch.Generator().manual_seed(zlib.crc32(name.encode()))
-    ids = torch.randint(K, (H, S), generator=gen)
-    c_old = torch.randn(H, K, D, generator=gen)
-    # Dyadic data: every sum is exact in any order, the division is IEEE in both: identical bits.
-    xi = torch.randint(-64, 64, (H, S, D), generator=gen).float() / 32
-    got = tkm.kmeans_update_triton(xi.to(DEVICE), ids.to(DEVICE), c_old.to(DEVICE)).cpu()
-    assert torch.equal(got, kmeans_update_torch(xi, ids, c_old))
-    # Random data: both within the summation-order bound of the exact means; empty clusters keep c_old exactly.
-    x = torch.randn(S, H, D, generator=gen).transpose(0, 1)  # strided like prq's transposed segment
-    got = tkm.kmeans_update_triton(x.to(DEVICE), ids.to(DEVICE), c_old.to(DEVICE)).cpu()
-    again = tkm.kmeans_update_triton(x.to(DEVICE), ids.to(DEVICE), c_old.to(DEVICE)).cpu()
-    ref = kmeans_update_torch(x.contiguous(), ids, c_old)
-    exact, bound = exact_means(x, ids, c_old), update_error_bound(x, ids, c_old)
-    assert torch.equal(got, again)  # deterministic: no atomics
-    assert bool(((got.double() - exact).abs() <= bound).all())
-    assert bool(((ref.double() - exact).abs() <= bound).all())
-    empty = torch.ones(H, K, dtype=torch.bool).scatter_(1, ids, False)
-    assert torch.equal(got[empty], c_old[empty])
-
-
-def test_kmeans_update_dispatch_and_bad_arguments(monkeypatch):
-    monkeypatch.setenv("PAGEDQVG_KERNELS", "torch")
-    x = torch.tensor([[[1.0, 2.0], [3.0, 4.0], [5.0, 6.0]]])
-    c = torch.zeros(1, 3, 2)
-    got = dispatch.kmeans_update(x, torch.tensor([[0, 0, 2]]), c)
-    assert torch.equal(got, torch.tensor([[[2.0, 3.0], [0.0, 0.0], [5.0, 6.0]]]))
-    with pytest.raises(ValueError, match=r"ids must be int64 \[H, S\] = \(1, 3\)"):
-        dispatch.kmeans_update(x, torch.tensor([[0, 0]]), c)
-    with pytest.raises(TypeError, match="must be float32"):
-        dispatch.kmeans_update(x.double(), torch.tensor([[0, 0, 1]]), c)
-
-
-@needs_kernels
-def test_kmeans_update_ids_out_of_range_checked(monkeypatch):
-    monkeypatch.setenv("PAGEDQVG_KERNELS", "triton")
-    monkeypatch.setenv("PAGEDQVG_KERNEL_CHECKS", "1")
-    x = torch.randn(1, 3, 16, device=DEVICE)
-    with pytest.raises(IndexError, match=r"centroid id out of range: 0\.\.3, valid 0\.\.2"):
-        dispatch.kmeans_update(x, torch.tensor([[0, 3, 1]], device=DEVICE), torch.zeros(1, 3, 16, device=DEVICE))
 
 
 # ---------------------------------------------------------------------------------------------- whole PRQ
