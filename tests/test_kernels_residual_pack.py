@@ -228,6 +228,55 @@ def test_residual_pack_bad_arguments_change_nothing(backend, monkeypatch):
         assert torch.equal(dest, before)
 
 
+# ---------------------------------------------------------------------------------------------- compact: fitted scales
+def _edge_residual(G: int, S: int, D: int, gen: torch.Generator) -> torch.Tensor:
+    r = torch.randn(G, S, D, generator=gen) * torch.rand(G, S, 1, generator=gen) * 3
+    r[0, 0] = 0.0
+    r[0, 1] = -0.0
+    r[1 % G, 2] = 2.5  # constant
+    r[0, 3, 5] = 5000.0  # clips at the fp8 maximum
+    r[0, 4] = r[0, 4] * 1e-5  # fp8 underflow
+    r[0, 5, 0] = 60.0  # an outlier among small values: a small fitted multiplier
+    return r
+
+
+# (cfg, D, G)
+FIT_CASES = [
+    (QuantConfig.compact(), 128, 3),
+    (QuantConfig.compact(block_size=20, centroids=5), 40, 2),
+    (QuantConfig(bits=2, fit_scales=True, codebook_fp8=True, block_size=32), 96, 2),
+    (QuantConfig(bits=4, fit_scales=True, block_size=16, stages=2), 48, 3),
+]
+
+
+@needs_kernels
+@pytest.mark.parametrize(("cfg", "D", "G"), FIT_CASES, ids=["compact", "compact-b20-D40", "int2-fit", "int4-fit"])
+def test_residual_pack_fitted_scales_bit_exact(cfg, D, G):
+    gen = torch.Generator().manual_seed(zlib.crc32(f"{cfg}-{D}".encode()))
+    S = 37
+    fmt = PackedFormat(D, G, cfg)
+    r = _edge_residual(G, S, D, gen)
+    ids = torch.randint(0, cfg.centroids, (G, S, cfg.stages), generator=gen).to(torch.uint8)
+    dest = random_bits((6, 8, G * fmt.per_head_bytes + 5), torch.uint8, gen)
+    perm = torch.randperm(6 * 8, generator=gen)[:S]
+    page, slot = perm // 8, perm % 8
+    ref = dest.clone()
+    residual_pack_torch(r, ids, ref, page, slot, fmt)
+    out = dest.to(DEVICE)
+    args = (r.to(DEVICE), ids.to(DEVICE), out, page.to(DEVICE), slot.to(DEVICE), fmt)
+    trp.residual_pack_triton(*args)
+    assert torch.equal(out.cpu(), ref)
+    out2 = dest.to(DEVICE)
+    trp.residual_pack_triton(*args[:2], out2, *args[3:], block_rows=4)  # the compiled tile size
+    assert torch.equal(out2.cpu(), ref)
+    # the fit changed some scales (else this test would not test it)
+    plain = dest.clone()
+    residual_pack_torch(r, ids, plain, page, slot, PackedFormat(D, G, QuantConfig(
+        bits=cfg.bits, block_size=cfg.block_size, stages=cfg.stages, centroids=cfg.centroids,
+        pack_trits=cfg.pack_trits)))  # fmt: skip
+    assert not torch.equal(plain, ref)
+
+
 # ---------------------------------------------------------------------------------------------- whole PRQ
 def _clustered(n, heads, D, clusters, gen, dtype=torch.bfloat16):
     """Tokens around well-separated centres plus continuous noise: [n, heads, D] (PRQ-like data: the first stage

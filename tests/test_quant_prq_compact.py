@@ -7,33 +7,18 @@
 - quantizer: compact beats the reference int2's K and V error on one synthetic 4,680-token chunk; packing is
   deterministic; the fitted multiplier is the argmin of the documented integer error (an independent scalar
   re-implementation); fp8 codebooks are what the residual was computed against.
-- kernels (Triton interpreter without CUDA, compiled on a GPU): residual pack with fitted scales is bit-identical to
-  its torch reference; the packed dequant of fp8 codebooks is tested in tests/test_kernels_dequant.py.
+The kernels on compact formats are tested with the kernels: residual pack with fitted scales in
+tests/test_kernels_residual_pack.py, the packed dequant of fp8 codebooks in tests/test_kernels_dequant.py.
 """
 
 from __future__ import annotations
 
-import zlib
-
 import pytest
 import torch
-from helpers import kernel_device, random_bits, rerun_interpreted  # sets TRITON_INTERPRET
 
-from pagedqvg.kernels.residual_pack import residual_pack_torch
 from pagedqvg.quant import FP8_DTYPE, PackedFormat, QuantConfig, prq_kmeans, prq_quantize
 from pagedqvg.quant.prq import FIT_ONE, FIT_STEPS, _fit_multiplier
 from pagedqvg.synthetic import relative_error, video_kv
-
-try:
-    from pagedqvg.kernels import triton_residual_pack as trp
-
-    TRITON_ERROR = None
-except Exception as exc:  # pragma: no cover - depends on the install
-    trp = None
-    TRITON_ERROR = f"{type(exc).__name__}: {exc}"
-
-DEVICE, WHY = kernel_device(TRITON_ERROR, trp and trp._residual_pack_kernel)
-needs_kernels = pytest.mark.skipif(DEVICE is None, reason=WHY)
 
 REFERENCE = QuantConfig(bits=2)  # SGLang's int2 defaults: 128 centroids, block 64, 1 stage, 2 iterations, symmetric
 
@@ -164,59 +149,3 @@ def test_fit_multiplier_matches_a_scalar_reimplementation(qmax):
     assert got[0] == 1.0 and got[1] == 1.0 and got[4] == 1.0
     if qmax == 1:  # ternary codes of uniform values: the MSE-optimal level is ~2/3 of the range
         assert got[2] < 0.8
-
-
-# ---------------------------------------------------------------------------------------------- kernels
-def _edge_residual(G: int, S: int, D: int, gen: torch.Generator) -> torch.Tensor:
-    r = torch.randn(G, S, D, generator=gen) * torch.rand(G, S, 1, generator=gen) * 3
-    r[0, 0] = 0.0
-    r[0, 1] = -0.0
-    r[1 % G, 2] = 2.5  # constant
-    r[0, 3, 5] = 5000.0  # clips at the fp8 maximum
-    r[0, 4] = r[0, 4] * 1e-5  # fp8 underflow
-    r[0, 5, 0] = 60.0  # an outlier among small values: a small fitted multiplier
-    return r
-
-
-# (cfg, D, G)
-PACK_CASES = [
-    (QuantConfig.compact(), 128, 3),
-    (QuantConfig.compact(block_size=20, centroids=5), 40, 2),
-    (QuantConfig(bits=2, fit_scales=True, codebook_fp8=True, block_size=32), 96, 2),
-    (QuantConfig(bits=4, fit_scales=True, block_size=16, stages=2), 48, 3),
-]
-
-
-@needs_kernels
-@pytest.mark.parametrize(("cfg", "D", "G"), PACK_CASES, ids=["compact", "compact-b20-D40", "int2-fit", "int4-fit"])
-def test_residual_pack_fitted_scales_bit_exact(cfg, D, G):
-    gen = torch.Generator().manual_seed(zlib.crc32(f"{cfg}-{D}".encode()))
-    S = 37
-    fmt = PackedFormat(D, G, cfg)
-    r = _edge_residual(G, S, D, gen)
-    ids = torch.randint(0, cfg.centroids, (G, S, cfg.stages), generator=gen).to(torch.uint8)
-    dest = random_bits((6, 8, G * fmt.per_head_bytes + 5), torch.uint8, gen)
-    perm = torch.randperm(6 * 8, generator=gen)[:S]
-    page, slot = perm // 8, perm % 8
-    ref = dest.clone()
-    residual_pack_torch(r, ids, ref, page, slot, fmt)
-    out = dest.to(DEVICE)
-    args = (r.to(DEVICE), ids.to(DEVICE), out, page.to(DEVICE), slot.to(DEVICE), fmt)
-    trp.residual_pack_triton(*args)
-    assert torch.equal(out.cpu(), ref)
-    out2 = dest.to(DEVICE)
-    trp.residual_pack_triton(*args[:2], out2, *args[3:], block_rows=4)  # the compiled tile size
-    assert torch.equal(out2.cpu(), ref)
-    # the fit changed some scales (else this test would not test it)
-    plain = dest.clone()
-    residual_pack_torch(r, ids, plain, page, slot, PackedFormat(D, G, QuantConfig(
-        bits=cfg.bits, block_size=cfg.block_size, stages=cfg.stages, centroids=cfg.centroids,
-        pack_trits=cfg.pack_trits)))  # fmt: skip
-    assert not torch.equal(plain, ref)
-
-
-@pytest.mark.skipif(DEVICE is not None or TRITON_ERROR is not None,
-                    reason="the kernels already run in this process" if DEVICE is not None else WHY)
-def test_interpreter_in_subprocess():
-    """Fallback when this process imported triton in compiled mode and has no GPU: rerun this file interpreted."""
-    rerun_interpreted(__file__)
