@@ -84,6 +84,36 @@ def check_packed_dequant(
         raise ValueError(f"tensors on several devices: {sorted(map(str, devices))}")
 
 
+#: Elements dequantized per step by `packed_dequant_torch` (its fp32 temporaries stay at a few MiB whatever the size
+#: of the range).
+DEQUANT_TILE_ELEMS = 1 << 18
+
+
+def segment_codebooks(
+    codebooks: torch.Tensor, cb_pages: torch.Tensor, cb_offset: int, fmt_all: PackedFormat
+) -> torch.Tensor:
+    """Codebooks `[2*B*H, stages, K, D]` of the segment whose codebook pages are `cb_pages[cb_offset:]` (one gather
+    of its `fmt_all.num_codebook_rows` rows out of `codebooks` `[num_pages, rows_per_page, K, D]`)."""
+    rpp = codebooks.shape[1]
+    r = torch.arange(fmt_all.num_codebook_rows, device=codebooks.device)
+    pages = cb_pages[cb_offset + r // rpp]
+    return codebooks[pages, r % rpp].reshape(fmt_all.num_heads, fmt_all.cfg.stages, -1, fmt_all.head_dim)
+
+
+def piece_tokens(pieces: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The pieces `[P, >=4]` `(page, first_slot, count, out_row, ...)` token by token: `(page, slot, out_row)`, each
+    int64 `[sum of counts]`, in piece order. O(tokens)."""
+    page, first, count, out_row = pieces[:, 0], pieces[:, 1], pieces[:, 2], pieces[:, 3]
+    total = int(count.sum())
+    start = torch.cumsum(count, 0) - count  # each piece's first position in the flat token list
+    within = torch.arange(total, device=pieces.device) - start.repeat_interleave(count, output_size=total)
+    return (
+        page.repeat_interleave(count, output_size=total),
+        first.repeat_interleave(count, output_size=total) + within,
+        out_row.repeat_interleave(count, output_size=total) + within,
+    )
+
+
 def packed_dequant_torch(
     tokens: torch.Tensor,
     codebooks: torch.Tensor,
@@ -93,23 +123,26 @@ def packed_dequant_torch(
     out_t: torch.Tensor,
     fmt: PackedFormat,
 ) -> None:
-    """Reference: for each piece, `prq_dequantize` of its token rows (all 2*B*H heads) and a copy of the head slice.
+    """Reference: `prq_dequantize` of every piece's token rows (all 2*B*H heads) and a copy of the head slice.
 
-    `fmt` is the format of one (kv, b) row: `fmt.num_heads` = H, the cache's heads. Exact `prq_dequantize` values.
+    Per segment (pieces sharing a `cb_offset`): one gather of its token rows, `prq_dequantize` in steps of
+    `DEQUANT_TILE_ELEMS` elements, one `index_copy_` of each step into its output rows. `fmt` is the format of one
+    (kv, b) row: `fmt.num_heads` = H, the cache's heads. Exact `prq_dequantize` values (it is elementwise per token,
+    so the step size does not change them).
     """
     check_packed_dequant(tokens, codebooks, pieces, cb_pages, head_start, out_t, fmt)
+    pieces = pieces[pieces[:, 2] > 0]
+    if pieces.shape[0] == 0:
+        return
     B = tokens.shape[3]
     H, D, heads = fmt.num_heads, fmt.head_dim, out_t.shape[3]
     fmt_all = PackedFormat(head_dim=D, num_heads=2 * B * H, cfg=fmt.cfg, dtype=fmt.dtype)
-    rpp, n_rows = codebooks.shape[1], fmt_all.num_codebook_rows
-    cb_list = cb_pages.tolist()
-    segment_codebooks: dict[int, torch.Tensor] = {}
-    for page, first, count, o, cb_off in pieces.tolist():
-        cb = segment_codebooks.get(cb_off)
-        if cb is None:
-            parts = [codebooks[p, a:b] for p, a, b in page_pieces(cb_list[cb_off:], rpp, 0, n_rows)]
-            cb = (parts[0] if len(parts) == 1 else torch.cat(parts)).reshape(2 * B * H, fmt.cfg.stages, -1, D)
-            segment_codebooks[cb_off] = cb
-        rows = tokens[page, first : first + count].reshape(count, -1)
-        full = prq_dequantize(rows, cb, fmt_all).view(count, 2, B, H, D)
-        out_t[o : o + count].copy_(full[:, :, :, head_start : head_start + heads])
+    step = max(1, DEQUANT_TILE_ELEMS // (2 * B * H * D))  # tokens per step: bounded fp32 temporaries
+    for cb_off in torch.unique(pieces[:, 4]).tolist():
+        cb = segment_codebooks(codebooks, cb_pages, cb_off, fmt_all)
+        page, slot, out_row = piece_tokens(pieces[pieces[:, 4] == cb_off])
+        rows = tokens[page, slot].reshape(page.shape[0], -1)  # [n, 2*B*row_bytes], K then V per token
+        for x in range(0, rows.shape[0], step):
+            full = prq_dequantize(rows[x : x + step], cb, fmt_all)
+            full = full.view(-1, 2, B, H, D)[:, :, :, head_start : head_start + heads]
+            out_t.index_copy_(0, out_row[x : x + step], full)

@@ -7,6 +7,8 @@ holds `tokens_per_page` whole tokens as a K block `[tokens_per_page, B]` of rows
 
 from __future__ import annotations
 
+import math
+
 import torch
 
 from ..allocator import BlockPool
@@ -47,3 +49,45 @@ def int64_on(values: list[int], device: torch.device) -> torch.Tensor:
     if torch.device(device).type != "cuda":
         return t.to(device)
     return t.pin_memory().to(device, non_blocking=True)
+
+
+def check_row_index(rows: torch.Tensor, page_idx: torch.Tensor, slot_idx: torch.Tensor) -> None:
+    """IndexError naming the range when a row index leaves `rows` `[num_pages, rows_per_page, H, D]` (reads the
+    indices: a device sync on CUDA)."""
+    if page_idx.numel() == 0:
+        return
+    for name, idx, bound in (("page", page_idx, rows.shape[0]), ("slot", slot_idx, rows.shape[1])):
+        lo, hi = int(idx.min()), int(idx.max())
+        if lo < 0 or hi >= bound:
+            raise IndexError(f"{name} index out of range: {lo}..{hi}, valid 0..{bound - 1}")
+
+
+def row_units(rows: torch.Tensor, head_start: int, num_heads: int) -> tuple[torch.Tensor, int] | None:
+    """The storage of token rows `[num_pages, rows_per_page, H, D]` as a 2-D `[M, u]` tensor of `u`-element units
+    (a view, no copy) such that heads `[head_start, head_start + num_heads)` of every row are whole consecutive
+    units; returns `(units, u)`, or None when the rows' heads are not contiguous (`H x D` elements per row).
+
+    `u` is the largest element count dividing the page and row strides, the storage offset and the head slice's
+    start and length, so `rows_index_units` can address every row with one flat unit index: a gather or scatter of
+    whole units is one `index_select` / `index_copy_` (contiguous copies of `u` elements) instead of an indexed
+    access per element."""
+    D = rows.shape[3]
+    if rows.stride(3) != 1 or rows.stride(2) != D:
+        return None
+    u = math.gcd(rows.stride(0), rows.stride(1), rows.storage_offset(), head_start * D, num_heads * D)
+    total = rows.untyped_storage().nbytes() // rows.element_size()
+    return rows.as_strided((total // u, u), (u, 1), 0), u
+
+
+def rows_index_units(
+    rows: torch.Tensor, page_idx: torch.Tensor, slot_idx: torch.Tensor, head_start: int, num_heads: int, u: int
+) -> torch.Tensor:
+    """Flat unit indices (into `row_units`' `[M, u]` view) of heads `[head_start, head_start + num_heads)` of the
+    rows `(page_idx, slot_idx)` (any equal shapes `S`): shape `[*S, num_heads * D // u]`, flattened. O(numel)."""
+    D = rows.shape[3]
+    first = page_idx * rows.stride(0) + slot_idx * rows.stride(1) + (rows.storage_offset() + head_start * D)
+    k = num_heads * D // u
+    if k == 1:
+        return (first // u).reshape(-1)
+    step = torch.arange(k, dtype=torch.int64, device=first.device)
+    return ((first // u).unsqueeze(-1) + step).reshape(-1)

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import torch
 
+from .rows import check_row_index, row_units, rows_index_units
+
 
 def view_build_torch(
     rows: torch.Tensor,
@@ -15,10 +17,20 @@ def view_build_torch(
 ) -> torch.Tensor:
     """Reference: `out[kv, b, t] = rows[page_idx[kv, b, t], slot_idx[kv, b, t], head_start:head_start+num_heads]`.
 
-    `out` is `[2, B, T, num_heads, D]` (contiguous). No temporaries besides `out`. Exact (a copy).
+    `rows` is `[num_pages, rows_per_page, H, D]`; `page_idx`/`slot_idx` are `[2, B, T]` (any equal shapes: `out`
+    is `[*shape, num_heads, D]`); IndexError for an index outside `rows`. One gather: an `index_select` of whole
+    row units into `out` (`rows.row_units`; into a temporary first when `out` is not contiguous). Exact (a copy).
     """
-    source = (
-        rows if (head_start == 0 and num_heads == rows.shape[2]) else rows[:, :, head_start : head_start + num_heads]
-    )
-    torch.ops.aten.index.Tensor_out(source, [page_idx, slot_idx], out=out)
+    check_row_index(rows, page_idx, slot_idx)
+    units = row_units(rows, head_start, num_heads)
+    if units is None:  # heads not contiguous in a row: an indexed access per element
+        source = rows[:, :, head_start : head_start + num_heads]
+        torch.ops.aten.index.Tensor_out(source, [page_idx, slot_idx], out=out)
+        return out
+    flat, u = units
+    index = rows_index_units(rows, page_idx, slot_idx, head_start, num_heads, u)
+    if out.is_contiguous():
+        torch.index_select(flat, 0, index, out=out.view(-1, u))
+    else:
+        out.copy_(torch.index_select(flat, 0, index).view(out.shape))
     return out

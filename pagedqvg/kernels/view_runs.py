@@ -29,7 +29,8 @@ import torch
 
 from ..layout import page_pieces
 from ..quant import PackedFormat
-from .dequant import check_packed_dequant, packed_dequant_torch
+from .dequant import check_packed_dequant, packed_dequant_torch, piece_tokens
+from .view_build import view_build_torch
 
 DENSE, PACKED, ZERO = 0, 1, 2
 KINDS = (DENSE, PACKED, ZERO)
@@ -191,22 +192,28 @@ def view_runs_torch(
     fmt: PackedFormat | None,
     max_run: int | None = None,
 ) -> None:
-    """Reference: per dense run a slice copy, all packed runs through `packed_dequant_torch`, zero runs `zero_()`."""
+    """Reference: the dense runs' rows in one gather (`view_build_torch` on their row index) and one `index_copy_`
+    into their output rows, the zero runs' rows in one `index_fill_`, all packed runs through `packed_dequant_torch`.
+    """
     check_view_runs(rows, tokens, codebooks, cb_pages, runs, head_start, out_t, fmt)
     check_run_values(rows, tokens, codebooks, cb_pages, runs, out_t, fmt, max_run)
     B, heads = out_t.shape[2], out_t.shape[3]
     tpp = rows.shape[1] // (2 * B)
-    hs = slice(head_start, head_start + heads)
-    table = runs.cpu()
-    for kind, page, first, count, o, _ in table.tolist():
-        if count == 0:
-            continue
-        if kind == DENSE:
-            src = rows[page].unflatten(0, (2, tpp, B))[:, first : first + count, :, hs]  # [2, count, B, heads, D]
-            out_t[o : o + count].copy_(src.transpose(0, 1))
-        elif kind == ZERO:
-            out_t[o : o + count].zero_()
-    pieces = table[(table[:, 0] == PACKED) & (table[:, 3] > 0), 1:]
+    live = runs[runs[:, 3] > 0]
+    kind = live[:, 0]
+    dense = live[kind == DENSE]
+    if dense.shape[0]:
+        page, token, out_row = piece_tokens(dense[:, 1:])  # token by token
+        kv = torch.arange(2, device=runs.device)[:, None, None]
+        b = torch.arange(B, device=runs.device)[None, :, None]
+        slot = kv * (tpp * B) + token * B + b  # [2, B, n]
+        src = torch.empty(2, B, page.shape[0], heads, rows.shape[3], dtype=rows.dtype, device=rows.device)
+        view_build_torch(rows, page.expand_as(slot), slot, head_start, heads, src)
+        out_t.index_copy_(0, out_row, src.permute(2, 0, 1, 3, 4))
+    zero = live[kind == ZERO]
+    if zero.shape[0]:
+        _, _, out_row = piece_tokens(zero[:, 1:])
+        out_t.index_fill_(0, out_row, 0)
+    pieces = live[kind == PACKED, 1:]
     if pieces.shape[0]:
-        pieces = pieces.to(runs.device)
         packed_dequant_torch(tokens, codebooks, pieces, cb_pages, head_start, out_t, fmt)  # type: ignore[arg-type]
