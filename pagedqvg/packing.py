@@ -5,16 +5,11 @@ moves rows between pages and the PRQ steps. Packing is `quantize` (`quant.prq.pr
 steps through the kernel dispatch: Triton k-means kernels on CUDA, then one `residual_pack` launch per K/V half that
 block-quantizes the final residual into staged packed rows; torch references on CPU) and then `write` (page copies).
 
-Token pages are read as slices (whole tokens per page), so dequantizing a visible range needs no gather: one
-`prq_dequantize` per page piece, for K and V and every batch element and head at once (they are folded into
-`2 * B * H` heads, the order the rows are stored in).
-
-With the Triton backend (`kernels.kernel_backend`: CUDA, or PAGEDQVG_KERNELS=triton), `dequantize_into` (unpacking
-a segment for a rewrite) instead describes the range as a piece table and makes one `packed_dequant` launch that
-reads token and codebook pages directly (kernels/dequant.py, kernels/triton_dequant.py); `dequantize_runs_into`
-does the same for the packed runs of several segments at once. (Views on the Triton backend do not come here: the
-cache builds a whole view, dense, packed and zero rows, in one `view_runs` launch.) The values are the same bits as
-the torch path.
+Reads go through the kernel dispatch like every other move of rows: `dequantize_into` (unpacking a segment for a
+rewrite) and `dequantize_runs_into` describe the token range as a piece table (kernels/dequant.py) and make one
+`packed_dequant` call that reads token and codebook pages directly: a Triton launch (CUDA, or PAGEDQVG_KERNELS=
+triton), else the torch reference, vectorized per segment. (Views do not come here: `page_io.PageIO` builds a whole
+view, dense, packed and zero rows, with one `view_runs` call.) Both backends give the same bits.
 """
 
 from __future__ import annotations
@@ -27,11 +22,8 @@ from .allocator import BlockPool
 from .kernels.dequant import piece_table
 from .kernels.dispatch import kernel_backend, kmeans_assign, kmeans_update, packed_dequant, residual_pack
 from .kernels.rows import int64_on
-from .layout import PackedSegmentLayout, page_pieces
-from .quant import PackedFormat, QuantConfig, prq_dequantize, prq_kmeans
-
-#: Elements dequantized per step on the torch path (fp32 temporaries stay at a few MiB whatever the view size).
-DEQUANT_TILE_ELEMS = 1 << 18
+from .layout import PackedSegmentLayout
+from .quant import PackedFormat, QuantConfig, prq_kmeans
 
 
 @dataclass(frozen=True, slots=True)
@@ -117,60 +109,43 @@ class PackedStore:
             token_rows=rows.view(n, 2, B, -1), codebook_rows=self.fmt_all.pack_codebooks(torch.cat(codebooks))
         )
 
+    def _token_index(self, tok_pages: list[int], t0: int, t1: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """`(page, slot)` of tokens `[t0, t1)` of a packed segment whose token pages are `tok_pages` (int64 [t1 - t0]
+        on the pool's device)."""
+        t = torch.arange(t0, t1, dtype=torch.int64)
+        pages = int64_on(tok_pages, self.token_view.device)
+        return pages[(t // self.tpp).to(pages.device)], (t % self.tpp).to(pages.device)
+
+    def _codebook_index(self, cb_pages: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
+        """`(page, slot)` of a packed segment's `num_cb_rows` codebook rows (int64, on the pool's device)."""
+        r = torch.arange(self.num_cb_rows, dtype=torch.int64)
+        pages = int64_on(cb_pages, self.codebook_view.device)
+        return pages[(r // self.cb_rpp).to(pages.device)], (r % self.cb_rpp).to(pages.device)
+
     def write(self, tok_pages: list[int], cb_pages: list[int], q: QuantizedChunk) -> None:
-        """Copy a `quantize` result into a packed segment's pages (token rows, then codebook rows; page copies
-        only)."""
-        o = 0
-        for page, a, b in page_pieces(tok_pages, self.tpp, 0, q.num_tokens):
-            self.token_view[page, a:b].copy_(q.token_rows[o : o + b - a])
-            o += b - a
-        o = 0
-        for page, a, b in page_pieces(cb_pages, self.cb_rpp, 0, self.num_cb_rows):
-            self.codebook_view[page, a:b].copy_(q.codebook_rows[o : o + b - a])
-            o += b - a
+        """Copy a `quantize` result into a packed segment's pages: one indexed copy of its token rows, one of its
+        codebook rows."""
+        self.token_view.index_put_(self._token_index(tok_pages, 0, q.num_tokens), q.token_rows)
+        self.codebook_view.index_put_(self._codebook_index(cb_pages), q.codebook_rows)
 
     # ------------------------------------------------------------------ read
     def codebooks(self, cb_pages: list[int]) -> torch.Tensor:
         """Codebooks `[2*B*H, stages, K, D]` of one packed segment (a small copy out of its pages)."""
-        pieces = [self.codebook_view[p, a:b] for p, a, b in page_pieces(cb_pages, self.cb_rpp, 0, self.num_cb_rows)]
-        rows = pieces[0] if len(pieces) == 1 else torch.cat(pieces)
-        return self.fmt_all.unpack_codebooks(rows)
+        return self.fmt_all.unpack_codebooks(self.codebook_view[self._codebook_index(cb_pages)])
 
     def dequantize_into(
         self, out_t: torch.Tensor, tok_pages: list[int], cb_pages: list[int], t0: int, t1: int, head_start: int
     ) -> None:
         """Dequantize tokens `[t0, t1)` into `out_t` `[t1 - t0, 2, B, Hout, D]` (heads from `head_start`)."""
-        if self.backend == "triton":
-            self.dequantize_runs_into(out_t, [(0, tok_pages, cb_pages, t0, t1)], head_start)
-            return
-        codebooks = self.codebooks(cb_pages)
-        heads = out_t.shape[3]
-        B, H, D = self.batch_size, self.num_heads, self.head_dim
-        hs = slice(head_start, head_start + heads)
-        step = max(1, DEQUANT_TILE_ELEMS // (2 * B * H * D))  # tokens per step: bounded fp32 temporaries
-        o = 0
-        for page, a, b in page_pieces(tok_pages, self.tpp, t0, t1):
-            for x in range(a, b, step):
-                m = min(b, x + step) - x
-                rows = self.token_view[page, x : x + m].reshape(m, -1)
-                full = prq_dequantize(rows, codebooks, self.fmt_all).view(m, 2, B, H, D)
-                out_t[o : o + m, 0].copy_(full[:, 0, :, hs])  # K and V separately: contiguous copies when B == 1
-                out_t[o : o + m, 1].copy_(full[:, 1, :, hs])
-                o += m
+        self.dequantize_runs_into(out_t, [(0, tok_pages, cb_pages, t0, t1)], head_start)
 
     def dequantize_runs_into(
         self, out_t: torch.Tensor, runs: list[tuple[int, list[int], list[int], int, int]], head_start: int
     ) -> None:
         """Packed runs: each `(out_row, tok_pages, cb_pages, t0, t1)` dequantizes tokens `[t0, t1)` of a packed
-        segment into `out_t[out_row : out_row + t1 - t0]` (`out_t` `[T, 2, B, Hout, D]`). The torch backend's view
-        build passes every packed run of a view (`dequantize_into` per run); on the Triton backend views use the
-        run kernel instead and this serves `dequantize_into` (one run, one `packed_dequant` launch; any number of
-        runs would be one launch too: piece table and codebook pages in one host->device copy). Same values
-        either way."""
-        if self.backend != "triton":
-            for o, tok_pages, cb_pages, t0, t1 in runs:
-                self.dequantize_into(out_t[o : o + t1 - t0], tok_pages, cb_pages, t0, t1, head_start)
-            return
+        segment into `out_t[out_row : out_row + t1 - t0]` (`out_t` `[T, 2, B, Hout, D]`): one piece table and
+        codebook page list (one host->device copy), one `packed_dequant` (Triton launch, or the vectorized torch
+        reference). Views do not come here (`page_io.PageIO` builds a whole view with `view_runs`)."""
         flat: list[int] = []
         cbs: list[int] = []
         for o, tok_pages, cb_pages, t0, t1 in runs:
