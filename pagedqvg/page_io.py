@@ -22,6 +22,7 @@ import torch
 from .allocator import BlockPool, RangeEntry, RangeIndex
 from .kernels.dispatch import page_fill, page_write, view_build, view_runs
 from .kernels.rows import int64_on, segment_row_index, token_rows
+from .kernels.view_build import view_build_torch
 from .kernels.view_runs import RUN_COLUMNS, dense_runs, packed_runs, zero_runs
 from .layout import DenseTokenLayout
 from .packing import PackedStore
@@ -249,10 +250,11 @@ class PageIO:
 
     # ------------------------------------------------------------ whole segments
     def read_dense(self, entry: RangeEntry[Segment]) -> torch.Tensor:
-        """All tokens of a dense segment as `[2, n, B, H, D]` (a temporary; one `view_build`)."""
+        """All tokens of a dense segment as `[2, n, B, H, D]` (a temporary; one gather by `view_build_torch` on every
+        device: packing reads a chunk once, its k-means dominates, and views stay the only view_build launches)."""
         p, sl = self._dense_index(entry, entry.start, entry.end)
         out = torch.empty(*p.shape, self.num_heads, self.head_dim, dtype=self.dtype, device=self.device)
-        view_build(self.rows, p, sl, 0, self.num_heads, out)
+        view_build_torch(self.rows, p, sl, 0, self.num_heads, out)
         return out.transpose(1, 2)
 
     def store_dense(self, entry: RangeEntry[Segment], data: torch.Tensor) -> None:

@@ -20,7 +20,7 @@ from helpers import bits, random_bits
 from pagedqvg import BlockPool
 from pagedqvg.allocator import RangeIndex
 from pagedqvg.kernels import dispatch
-from pagedqvg.kernels.rows import row_units, rows_index_units
+from pagedqvg.kernels.rows import coalesce_units, row_units, rows_index_units
 from pagedqvg.kernels.view_build import view_build_torch
 from pagedqvg.layout import DenseTokenLayout
 from pagedqvg.packing import PackedStore
@@ -216,7 +216,7 @@ def test_unit_view_gathers_exactly_what_indexing_does(page_elems, offset, h0, hi
     units = row_units(rows, h0, hin)
     assert units is not None
     flat, u = units
-    assert (h0 * D) % u == 0 and (hin * D) % u == 0 and flat.data_ptr() == arena.data_ptr()
+    assert (h0 * D) % u == 0 and (hin * D) % u == 0 and flat.data_ptr() == rows.data_ptr()
     p = torch.randint(0, pages, (2, 3, 7), generator=gen)
     s = torch.randint(0, rpp, (2, 3, 7), generator=gen)
     got = flat[rows_index_units(rows, p, s, h0, hin, u)].view(2, 3, 7, hin, D)
@@ -227,6 +227,31 @@ def test_unit_view_gathers_exactly_what_indexing_does(page_elems, offset, h0, hi
     strided = torch.empty(2, 7, 3, hin, D, dtype=torch.float16).transpose(1, 2)  # a non-contiguous out
     view_build_torch(rows, p, s, h0, hin, strided)
     assert torch.equal(bits(strided), bits(out))
+
+
+@pytest.mark.parametrize(
+    ("index", "k"),
+    [([8, 9, 10, 11, 0, 1, 2, 3], 4), ([8, 9, 10, 11, 2, 3], 2), ([4, 5, 6, 7, 8, 9, 10, 11], 4), ([3, 4], 1),
+     ([5], 1), ([0], 1), ([], 1), ([6, 7, 2, 3, 4, 5], 2), ([0, 1, 2, 3, 4, 5, 6, 7], 8)],
+)  # fmt: skip
+def test_coalesce_units_finds_the_largest_aligned_block(index, k):
+    """Runs [8, 12) and [0, 4): blocks of 4; a run of 2 or a start at 2 halves it; a merged run [4, 12) of 8 still
+    gathers in blocks of 4 (its start); a single unit or none: 1."""
+    assert coalesce_units(torch.tensor(index)) == k
+
+
+def test_views_coalesce_rows_of_a_page_into_one_copy(monkeypatch):
+    """A dense view of whole chunks gathers blocks of consecutive rows (index_select over wider units), with the
+    same bits as the per-row gather."""
+    seen = []
+    real = torch.index_select
+    monkeypatch.setattr(torch, "index_select", lambda src, *a, **k: (seen.append(src.shape[1]), real(src, *a, **k))[1])
+    layer = Layer(B=1, H=2, D=8, dtype=torch.float16, page_bytes=1024, seed=5)  # 16 tokens per page
+    for _ in range(3):
+        layer.append(32)
+    spans = [([(0, 32), (64, 96)], 0)]
+    assert torch.equal(bits(layer.view(spans, 0, 2)), bits(layer.expect(spans, 0, 2)))
+    assert seen == [16 * 2 * 8]  # a unit of 16 tokens (one page's K or V block) per copy
 
 
 def test_row_units_refuses_rows_whose_heads_are_not_contiguous():

@@ -67,16 +67,17 @@ def row_units(rows: torch.Tensor, head_start: int, num_heads: int) -> tuple[torc
     (a view, no copy) such that heads `[head_start, head_start + num_heads)` of every row are whole consecutive
     units; returns `(units, u)`, or None when the rows' heads are not contiguous (`H x D` elements per row).
 
-    `u` is the largest element count dividing the page and row strides, the storage offset and the head slice's
-    start and length, so `rows_index_units` can address every row with one flat unit index: a gather or scatter of
-    whole units is one `index_select` / `index_copy_` (contiguous copies of `u` elements) instead of an indexed
-    access per element."""
+    The view starts at the rows' first element; `u` is the largest element count dividing the page and row strides
+    and the head slice's start and length, so `rows_index_units` can address every row with one flat unit index: a
+    gather of whole units is one `index_select` (contiguous copies of `u` elements) instead of an indexed access per
+    element."""
     D = rows.shape[3]
     if rows.stride(3) != 1 or rows.stride(2) != D:
         return None
-    u = math.gcd(rows.stride(0), rows.stride(1), rows.storage_offset(), head_start * D, num_heads * D)
-    total = rows.untyped_storage().nbytes() // rows.element_size()
-    return rows.as_strided((total // u, u), (u, 1), 0), u
+    u = math.gcd(rows.stride(0), rows.stride(1), head_start * D, num_heads * D)
+    offset = rows.storage_offset()
+    total = rows.untyped_storage().nbytes() // rows.element_size() - offset
+    return rows.as_strided((total // u, u), (u, 1), offset), u
 
 
 def rows_index_units(
@@ -85,9 +86,23 @@ def rows_index_units(
     """Flat unit indices (into `row_units`' `[M, u]` view) of heads `[head_start, head_start + num_heads)` of the
     rows `(page_idx, slot_idx)` (any equal shapes `S`): shape `[*S, num_heads * D // u]`, flattened. O(numel)."""
     D = rows.shape[3]
-    first = page_idx * rows.stride(0) + slot_idx * rows.stride(1) + (rows.storage_offset() + head_start * D)
+    first = page_idx * rows.stride(0) + slot_idx * rows.stride(1) + head_start * D
     k = num_heads * D // u
     if k == 1:
         return (first // u).reshape(-1)
     step = torch.arange(k, dtype=torch.int64, device=first.device)
     return ((first // u).unsqueeze(-1) + step).reshape(-1)
+
+
+def coalesce_units(index: torch.Tensor) -> int:
+    """The largest `k` such that the flat unit index `index` is whole aligned blocks of `k` consecutive units (every
+    maximal run of consecutive units starts at a multiple of `k` and is a multiple of `k` long): gathering blocks of
+    `k` units instead of single units reads the same elements with `k` times fewer copies. O(len(index)) plus the
+    host reads of the run starts and lengths (one per run)."""
+    n = index.numel()
+    if n < 2:
+        return max(n, 1)
+    breaks = torch.nonzero(index[1:] - index[:-1] != 1).flatten() + 1
+    starts = torch.cat([breaks.new_zeros(1), breaks])
+    lengths = torch.diff(starts, append=starts.new_full((1,), n))
+    return math.gcd(*lengths.tolist(), *index[starts].tolist())

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from .rows import check_row_index, row_units, rows_index_units
+from .rows import check_row_index, coalesce_units, row_units, rows_index_units
 
 
 def view_build_torch(
@@ -19,7 +19,9 @@ def view_build_torch(
 
     `rows` is `[num_pages, rows_per_page, H, D]`; `page_idx`/`slot_idx` are `[2, B, T]` (any equal shapes: `out`
     is `[*shape, num_heads, D]`); IndexError for an index outside `rows`. One gather: an `index_select` of whole
-    row units into `out` (`rows.row_units`; into a temporary first when `out` is not contiguous). Exact (a copy).
+    row units into `out` (`rows.row_units`; blocks of consecutive units coalesced by `rows.coalesce_units`, so
+    rows that sit together in a page are one copy; into a temporary first when `out` is not contiguous). Exact (a
+    copy).
     """
     check_row_index(rows, page_idx, slot_idx)
     units = row_units(rows, head_start, num_heads)
@@ -29,8 +31,12 @@ def view_build_torch(
         return out
     flat, u = units
     index = rows_index_units(rows, page_idx, slot_idx, head_start, num_heads, u)
+    k = coalesce_units(index)  # whole blocks of k consecutive units (rows of one page in a row): one copy each
+    if k > 1:
+        flat = flat.as_strided((flat.shape[0] // k, k * u), (k * u, 1), flat.storage_offset())
+        index = index[::k] // k
     if out.is_contiguous():
-        torch.index_select(flat, 0, index, out=out.view(-1, u))
+        torch.index_select(flat, 0, index, out=out.view(-1, flat.shape[1]))
     else:
         out.copy_(torch.index_select(flat, 0, index).view(out.shape))
     return out
