@@ -51,9 +51,10 @@ class PagedCausalKVCache:
     The contract of SGLang's dense `CausalSelfAttentionKVCache` (written out in docs/SEMANTICS.md): a window of
     `cache_size` slots over the tokens produced so far, a sink at its front that never rolls, and a view per call.
     With quantization off every view equals the dense cache's bit for bit. A repeated call (a denoise step
-    rewriting the current chunk) reuses its cached plan: on CPU one copy per page piece of the write and two
-    concatenations for the view; on CUDA one Triton launch each. An advance also runs the eviction and pack policy
-    (O(segments x runs)). For SGLang's own constructor signatures use `pagedqvg.integrations.sglang`.
+    rewriting the current chunk) reuses its cached plan: one `page_write` for the write and one `view_build` /
+    `view_runs` call for the view (the kernels' torch references on CPU, Triton launches on CUDA). An advance also
+    runs the eviction and pack policy (O(segments x runs)). For SGLang's own constructor signatures use
+    `pagedqvg.integrations.sglang`.
 
     Args (keyword-only):
         pool: the `BlockPool` holding this layer's pages (share one pool between all layers of a device).
@@ -532,7 +533,7 @@ class PagedCausalKVCache:
                 past the tokens produced so far is an advance: it appends the new tokens (rolling the window, or
                 growing it, when full). A chunk inside the produced range rewrites those tokens in place (a later
                 denoise step or the clean pass): nothing rolls, nothing is appended, and a repeated identical call
-                reuses the cached plan of the previous one (no planning, one copy per page piece).
+                reuses the cached plan of the previous one (no planning, one write and one view call).
             cache_head_start: the first cache head of `key`'s heads when they are a slice of the cache's (Ulysses
                 or tensor parallelism: rank x local heads); only those heads are written and viewed. Required when
                 `key` has fewer heads than the cache; the other heads of newly appended tokens read as zeros.
