@@ -253,6 +253,19 @@ REPO = Path(__file__).resolve().parent.parent
 INT_OF = {torch.float32: torch.int32, torch.float16: torch.int16, torch.bfloat16: torch.int16, torch.uint8: torch.uint8}
 
 
+def triton_kernels(module: str, kernel: str) -> tuple[object | None, str | None, torch.device | None, str]:
+    """`(module, import_error, device, why)` for a kernel test file: imports `pagedqvg.kernels.<module>` (None and
+    the error text when triton does not import) and says where `<module>.<kernel>` runs (`kernel_device`)."""
+    import importlib
+
+    try:
+        mod = importlib.import_module(f"pagedqvg.kernels.{module}")
+    except Exception as exc:  # pragma: no cover - depends on the install
+        error = f"{type(exc).__name__}: {exc}"
+        return (None, error, *kernel_device(error, None))
+    return (mod, None, *kernel_device(None, getattr(mod, kernel)))
+
+
 def kernel_device(import_error: str | None, kernel) -> tuple[torch.device | None, str]:
     """`(device, why)`: the device the kernel tests use, or None and the reason they skip."""
     from pagedqvg.kernels.triton_common import is_interpreted

@@ -26,10 +26,10 @@ from helpers import (  # sets TRITON_INTERPRET
     bits,
     compiled_mode_json,
     contract_checked_kmeans,
-    kernel_device,
     packed_store,
     random_bits,
     rerun_interpreted,
+    triton_kernels,
 )
 
 from pagedqvg import BlockPool, PagedCausalKVCache
@@ -37,15 +37,7 @@ from pagedqvg.kernels.dequant import packed_dequant_torch, piece_table
 from pagedqvg.packing import PackedStore
 from pagedqvg.quant import FP8_DTYPE, PackedFormat, QuantConfig, prq_dequantize, prq_quantize
 
-try:
-    from pagedqvg.kernels import triton_dequant as tdq
-
-    TRITON_ERROR = None
-except Exception as exc:  # pragma: no cover - depends on the install
-    tdq = None
-    TRITON_ERROR = f"{type(exc).__name__}: {exc}"
-
-DEVICE, WHY = kernel_device(TRITON_ERROR, tdq and tdq._packed_dequant_kernel)
+tdq, TRITON_ERROR, DEVICE, WHY = triton_kernels("triton_dequant", "_packed_dequant_kernel")
 needs_kernels = pytest.mark.skipif(DEVICE is None, reason=WHY)
 DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 

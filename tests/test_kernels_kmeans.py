@@ -27,23 +27,15 @@ from helpers import (  # sets TRITON_INTERPRET
     check_near_ties,
     distance_margins,
     exact_means,
-    kernel_device,
     rerun_interpreted,
+    triton_kernels,
     update_error_bound,
 )
 
 from pagedqvg.kernels import dispatch
 from pagedqvg.kernels.kmeans import kmeans_assign_torch, kmeans_update_torch
 
-try:
-    from pagedqvg.kernels import triton_kmeans as tkm
-
-    TRITON_ERROR = None
-except Exception as exc:  # pragma: no cover - depends on the install
-    tkm = None
-    TRITON_ERROR = f"{type(exc).__name__}: {exc}"
-
-DEVICE, WHY = kernel_device(TRITON_ERROR, tkm and tkm._kmeans_assign_kernel)
+tkm, TRITON_ERROR, DEVICE, WHY = triton_kernels("triton_kmeans", "_kmeans_assign_kernel")
 needs_kernels = pytest.mark.skipif(DEVICE is None, reason=WHY)
 
 

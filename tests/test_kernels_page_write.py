@@ -22,25 +22,17 @@ import torch
 from helpers import (  # sets TRITON_INTERPRET
     bits,
     compiled_mode_json,
-    kernel_device,
     make_rows,
     random_bits,
     rerun_interpreted,
+    triton_kernels,
     unique_rows,
 )
 
 from pagedqvg.kernels.page_write import page_fill_torch, page_write_torch
 
-try:
-    from pagedqvg.kernels import triton_page_write as tpw
-    from pagedqvg.kernels import triton_view_build as tvb
-
-    TRITON_ERROR = None
-except Exception as exc:  # pragma: no cover - depends on the install
-    tpw = tvb = None
-    TRITON_ERROR = f"{type(exc).__name__}: {exc}"
-
-DEVICE, WHY = kernel_device(TRITON_ERROR, tvb and tvb._view_build_kernel)
+tpw, TRITON_ERROR, DEVICE, WHY = triton_kernels("triton_page_write", "_page_write_kernel")
+tvb = triton_kernels("triton_view_build", "_view_build_kernel")[0]
 needs_kernels = pytest.mark.skipif(DEVICE is None, reason=WHY)
 DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 

@@ -17,25 +17,17 @@ import torch
 from helpers import (  # sets TRITON_INTERPRET
     any_rows,
     bits,
-    kernel_device,
     make_rows,
     random_bits,
     rerun_interpreted,
+    triton_kernels,
 )
 
 from pagedqvg import BlockPool, PagedCausalKVCache
 from pagedqvg.kernels import dispatch
 from pagedqvg.kernels.view_build import view_build_torch
 
-try:
-    from pagedqvg.kernels import triton_view_build as tvb
-
-    TRITON_ERROR = None
-except Exception as exc:  # pragma: no cover - depends on the install
-    tvb = None
-    TRITON_ERROR = f"{type(exc).__name__}: {exc}"
-
-DEVICE, WHY = kernel_device(TRITON_ERROR, tvb and tvb._view_build_kernel)
+tvb, TRITON_ERROR, DEVICE, WHY = triton_kernels("triton_view_build", "_view_build_kernel")
 needs_kernels = pytest.mark.skipif(DEVICE is None, reason=WHY)
 DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 

@@ -26,10 +26,10 @@ from helpers import (  # sets TRITON_INTERPRET
     bits,
     compiled_mode_json,
     contract_checked_kmeans,
-    kernel_device,
     random_bits,
     rerun_interpreted,
     set_view_run_cap,
+    triton_kernels,
 )
 
 from pagedqvg import BlockPool, PagedCausalKVCache
@@ -42,15 +42,7 @@ from pagedqvg.layout import DenseTokenLayout
 from pagedqvg.packing import PackedStore
 from pagedqvg.quant import QuantConfig, prq_quantize
 
-try:
-    from pagedqvg.kernels import triton_view_runs as tvr
-
-    TRITON_ERROR = None
-except Exception as exc:  # pragma: no cover - depends on the install
-    tvr = None
-    TRITON_ERROR = f"{type(exc).__name__}: {exc}"
-
-DEVICE, WHY = kernel_device(TRITON_ERROR, tvr and tvr._view_runs_kernel)
+tvr, TRITON_ERROR, DEVICE, WHY = triton_kernels("triton_view_runs", "_view_runs_kernel")
 needs_kernels = pytest.mark.skipif(DEVICE is None, reason=WHY)
 #: Where the tensors live: the kernels' device, or the CPU for the reference-only tests when the kernels cannot run.
 ON = DEVICE if DEVICE is not None else torch.device("cpu")
