@@ -736,7 +736,8 @@ class QuantFuzzMachine(RuleBasedStateMachine):
         nonfinite = (data.draw(vals, label="k_val"), data.draw(vals, label="v_val"))
         if data.draw(st.integers(0, 2), label="finite_instead"):
             nonfinite = None
-        if ref.G > 0 and data.draw(st.booleans(), label="rewrite"):
+        # A rewrite needs retained tokens (a rewind can empty the rolling tail: G > 0, L == 0), as in rewrite_retained.
+        if ref.G > 0 and ref.L > 0 and data.draw(st.booleans(), label="rewrite"):
             s = data.draw(st.integers(max(0, ref.G - ref.L), ref.G - 1), label="s")
             n = data.draw(st.integers(1, ref.G - s), label="n")
         else:
