@@ -486,11 +486,9 @@ class PagedCausalKVCache:
     def memory_breakdown(self) -> dict[str, int]:
         """Exact bytes: pages held by dense and packed segments, tokens retained in each, and the bytes those
         retained rows (plus codebooks) occupy. O(segments x runs)."""
-        live = self._seq.state.slot_map.global_ranges()
         out = {"dense_pages": 0, "packed_pages": 0, "dense_tokens": 0, "packed_tokens": 0, "used_bytes": 0}
-        for entry in self._seq.index:
+        for entry, tokens in self._seq.retained_tokens():
             seg = entry.value
-            tokens = sum(max(0, min(g1, entry.end) - max(g0, entry.start)) for g0, g1 in live)
             if seg.packed:
                 assert self._packed is not None
                 out["packed_pages"] += len(seg.pages)

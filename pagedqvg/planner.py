@@ -376,16 +376,12 @@ class CountingLayer:
 
     def used_bytes(self) -> int:
         """Bytes the retained tokens' rows really occupy (plus codebooks of packed segments), as the cache reports."""
-        st = self.seq.state
         if self.packed is None:
-            return self.dense.used_bytes_for_tokens(st.local_end)
-        total = 0
-        live = st.slot_map.global_ranges()
-        for entry in self.seq.index:
-            kept = sum(max(0, min(b, entry.end) - max(a, entry.start)) for a, b in live)
-            layout = self.packed if entry.value.packed else self.dense
-            total += layout.used_bytes_for_tokens(kept)
-        return total
+            return self.dense.used_bytes_for_tokens(self.seq.state.local_end)
+        return sum(
+            (self.packed if entry.value.packed else self.dense).used_bytes_for_tokens(kept)
+            for entry, kept in self.seq.retained_tokens()
+        )
 
     # ---------------------------------------------------------------- calls
     def write(self, start: int, n: int) -> int:

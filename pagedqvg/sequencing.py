@@ -14,6 +14,7 @@ Units: tokens (= slots). Every method is O(runs + log(segments) + segments touch
 
 from __future__ import annotations
 
+from collections.abc import Iterator
 from dataclasses import dataclass, field, replace
 from typing import Generic, TypeVar
 
@@ -192,6 +193,12 @@ class Sequencer(Generic[V]):
         """Global start of the newest segment (0 when empty)."""
         last = self.index.last()
         return last.start if last is not None else 0
+
+    def retained_tokens(self) -> Iterator[tuple[RangeEntry[V], int]]:
+        """Every segment, in order, with how many of its tokens the slots still hold. O(segments x runs)."""
+        live = self.state.slot_map.global_ranges()
+        for entry in self.index:
+            yield entry, sum(max(0, min(g1, entry.end) - max(g0, entry.start)) for g0, g1 in live)
 
     def view_ranges(self, local_start: int, recent_window_tokens: int | None) -> list[tuple[int, int]]:
         """The slot ranges of the view of a call whose chunk starts at slot `local_start` (state after the call)."""
