@@ -17,6 +17,7 @@ from typing import NamedTuple
 import torch
 
 from .allocator import BlockPool, RangeEntry
+from .attention import attend_pages, check_query
 from .errors import CacheClosedError, CacheConfigError, PackingFailedWarning
 from .layout import DenseTokenLayout
 from .packing import PackedStore, QuantizedChunk
@@ -562,7 +563,55 @@ class PagedCausalKVCache:
         finally:
             self.debug_name = own
 
+    @torch.no_grad()
+    def update_and_attend(
+        self,
+        query: torch.Tensor,
+        *,
+        key: torch.Tensor,
+        value: torch.Tensor,
+        current_chunk_start: int,
+        cache_head_start: int | None = None,
+        recent_window_tokens: int | None = None,
+        softmax_scale: float | None = None,
+        debug_name: str | None = None,
+    ) -> torch.Tensor:
+        """Write one chunk's K/V exactly as `update_and_get_attention_kv` does and return attention over the rows its
+        view would hold, without building the view (attention.py: tiles decoded from pages, online softmax in fp32).
+
+        Args:
+            query: `[batch, query tokens, heads, head_dim]`, the cache dtype and device, `key`'s heads.
+            softmax_scale: None: `head_dim ** -0.5`; else a finite float. No mask: every query row attends to every
+                row of the view; never-written rows are keys of score 0 and value 0 (as SDPA over the view).
+            The rest: as `update_and_get_attention_kv`.
+
+        Returns:
+            `softmax(query·kᵀ·scale)·v`, `[batch, query tokens, heads, head_dim]` in the query's dtype.
+
+        Raises: as `update_and_get_attention_kv`, plus TypeError / ValueError for a bad query or scale; all before
+        anything changes. Transient memory: `attention.attention_scratch_bytes` (independent of the window).
+        """
+        own = self.debug_name
+        if debug_name is not None and debug_name != own:
+            self.debug_name = f"{debug_name} ({own})"  # every error of this call names the caller's label
+        try:
+            self._ensure_open("update_and_attend")
+            self._check_kv(key, value, cache_head_start)
+            scale = check_query(query, key, softmax_scale, self.debug_name)
+            plan, h0, _, _, _ = self._write_and_plan(
+                key, value, current_chunk_start, cache_head_start, recent_window_tokens
+            )
+            return attend_pages(self._io, plan, h0, query, scale)
+        finally:
+            self.debug_name = own
+
     def _update(self, key, value, current_chunk_start, cache_head_start, recent_window_tokens):
+        return self._finish_view(
+            *self._write_and_plan(key, value, current_chunk_start, cache_head_start, recent_window_tokens)
+        )
+
+    def _write_and_plan(self, key, value, current_chunk_start, cache_head_start, recent_window_tokens):
+        """The write of one call and the plan of its view: `(view plan, h0, hin, local start, local end)`."""
         self._ensure_open("update_and_get_attention_kv")
         n, hin, h0 = self._check_kv(key, value, cache_head_start)
         s = as_index("current_chunk_start", current_chunk_start, self.debug_name)
@@ -572,7 +621,7 @@ class PagedCausalKVCache:
         if isinstance(fast, RepeatedCall):  # the same in-place rewrite as before (a later denoise step)
             self._io.write(fast.write_plan, h0, key, value)
             self._last_view_ranges = fast.ranges
-            return self._finish_view(fast.view_plan, h0, hin, fast.local_start, fast.local_end)
+            return fast.view_plan, h0, hin, fast.local_start, fast.local_end
         plan = self._seq.plan_write(s, n, self.debug_name)
         touched: list[RangeEntry[Segment]] = []
         if self._packed is not None:
@@ -591,7 +640,7 @@ class PagedCausalKVCache:
         view_plan = self._view_plan(ranges, h0, hin)
         if not plan.new_tokens and not unpack:
             self._io.remember(fast_key, RepeatedCall(plan.local_start, plan.local_end, write_plan, ranges, view_plan))
-        return self._finish_view(view_plan, h0, hin, plan.local_start, plan.local_end)
+        return view_plan, h0, hin, plan.local_start, plan.local_end
 
     def _commit(self, plan: CallPlan[Segment], unpack: list[RangeEntry[Segment]], hin: int) -> None:
         """Commit `plan` to pages: pressure packs, released segments back to the pool, packed chunks the write
