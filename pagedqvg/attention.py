@@ -6,15 +6,16 @@ or the packed rows of one segment); the zero rows (slots never written) are only
 
 1. builds the tile's K/V `[2, B, t, Hin, D]` in the cache dtype into one reused tile buffer (the same `view_build` /
    `view_runs` kernels as a view, so packed rows are decoded one tile at a time, exactly as the view holds them);
-2. folds the tile into an online softmax in fp32 (FlashAttention's running max `m`, sum `l` and output `acc` per
-   query row), over query tiles of at most `query_tile` rows so the score tile is bounded too.
+2. attends the query to the tile (`tile_attention`: aten's CPU flash kernel, which returns the log-sum-exp with the
+   output and accumulates in fp32; elsewhere fp32 matmuls over query tiles of at most `query_tile` rows) and merges
+   the result into the running fp32 output by log-sum-exp (`LseMerge`).
 
-Zero rows are keys of score 0 and value 0 (what SDPA over the materialized view sees): they enter as `Z` keys with
-`m = 0`, `l = Z`, `acc = 0` before the first tile. The result is `acc / l` cast to the query dtype.
+Zero rows are keys of score 0 and value 0 (what SDPA over the materialized view sees): they enter as one key set of
+log-sum-exp `log(Z)` and output 0. The result is the merged output cast to the query dtype.
 
-Transient memory is independent of the window length (`attention_scratch_bytes`): the tile buffer, its fp32 copy,
-the fp32 query/accumulator/statistics of the `Tq` query rows and one score tile — plus, for packed tiles, the
-dequantization temporaries of `t` tokens (kernels/dequant.py: at most `DEQUANT_TILE_ELEMS` fp32 elements per step).
+Transient memory is independent of the window length (`attention_scratch_bytes`): the tile buffer, the fp32 merged
+output and log-sum-exp of the `Tq` query rows, one tile's output — plus, for packed tiles, the dequantization
+temporaries of `t` tokens (kernels/dequant.py: at most `DEQUANT_TILE_ELEMS` fp32 elements per step).
 The tile table is cached in the `PageIO` plan cache (dropped with the plan by `invalidate`).
 
 Cost: O(Tq · T · Hin · D) flops like SDPA; K/V rows are read once per call (once per query tile from the fp32 tile).
@@ -138,44 +139,69 @@ def check_query(query: object, key: torch.Tensor, softmax_scale: object, name: s
     return float(softmax_scale)
 
 
-class OnlineSoftmax:
-    """Running FlashAttention statistics of `Tq` query rows in fp32: max `m` `[B, h, Tq]`, sum `l` `[B, h, Tq]`,
-    unnormalized output `acc` `[B, h, Tq, D]`. `q` is the query `[B, h, Tq, D]` in fp32."""
+def _flash_cpu():
+    """aten's CPU flash-attention kernel (returns the output and its log-sum-exp), or None on builds without it."""
+    return getattr(torch.ops.aten, "_scaled_dot_product_flash_attention_for_cpu", None)
 
-    def __init__(self, q: torch.Tensor, scale: float, query_tile: int) -> None:
-        self.q, self.scale, self.query_tile = q, scale, query_tile
-        B, h, Tq, D = q.shape
-        self.m = torch.full((B, h, Tq), -math.inf, dtype=torch.float32, device=q.device)
-        self.l = torch.zeros(B, h, Tq, dtype=torch.float32, device=q.device)
-        self.acc = torch.zeros(B, h, Tq, D, dtype=torch.float32, device=q.device)
+
+def tile_attention(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, query_tile: int
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Attention of `q` `[B, h, Tq, D]` over one tile `k`, `v` `[B, h, t, D]` (any strides, one dtype): the output
+    `[B, h, Tq, D]` (q's dtype) and its log-sum-exp `[B, h, Tq]` (fp32). On CPU aten's flash kernel (fp32
+    accumulation; its own scratch per thread); elsewhere (or without it) fp32 matmuls over query tiles of
+    `query_tile` rows (one `[B, h, query_tile, t]` score tile)."""
+    flash = _flash_cpu()
+    if flash is not None and q.device.type == "cpu":
+        out, lse = flash(q, k, v, scale=scale)
+        return out, lse
+    B, h, Tq, D = q.shape
+    out = torch.empty(B, h, Tq, D, dtype=q.dtype, device=q.device)
+    lse = torch.empty(B, h, Tq, dtype=torch.float32, device=q.device)
+    kt, v32 = k.float().transpose(-1, -2), v.float()
+    for a in range(0, Tq, query_tile):
+        s = torch.matmul(q[:, :, a : a + query_tile].float(), kt).mul_(scale)  # [B, h, qt, t] fp32 scores
+        m = s.amax(-1, keepdim=True)
+        s.sub_(m).exp_()
+        total = s.sum(-1, keepdim=True)
+        out[:, :, a : a + query_tile] = torch.matmul(s, v32).div_(total)
+        lse[:, :, a : a + query_tile] = total.log_().add_(m).squeeze(-1)
+    return out, lse
+
+
+def merge_dtype(dtype: torch.dtype) -> torch.dtype:
+    """The dtype `LseMerge` accumulates in: fp32, or fp64 for fp32 caches (so merging adds no error of the order
+    of the tiles' own: SDPA on the whole view makes fp32 errors once, the tiles once each)."""
+    return torch.float64 if dtype == torch.float32 else torch.float32
+
+
+class LseMerge:
+    """Attention over several key sets, merged by log-sum-exp in `merge_dtype(dtype)`: `acc` `[B, h, Tq, D]` is the
+    attention over the keys so far, `lse` `[B, h, Tq]` their log-sum-exp (-inf before any)."""
+
+    def __init__(self, B: int, h: int, Tq: int, D: int, dtype: torch.dtype, device: torch.device) -> None:
+        acc = merge_dtype(dtype)
+        self.acc = torch.zeros(B, h, Tq, D, dtype=acc, device=device)
+        self.lse = torch.full((B, h, Tq), -math.inf, dtype=acc, device=device)
 
     def add_zero_keys(self, count: int) -> None:
-        """`count` keys of score 0 and value 0 (before any tile: `m = 0`, `l = count`)."""
+        """`count` keys of score 0 and value 0: log-sum-exp `log(count)`, output 0."""
         if count > 0:
-            self.m.zero_()
-            self.l.fill_(float(count))
+            new = torch.logaddexp(self.lse, torch.tensor(math.log(count), device=self.lse.device))
+            self.acc.mul_(self.lse.sub_(new).exp_()[..., None])
+            self.lse = new
 
-    def add_tile(self, k: torch.Tensor, v: torch.Tensor) -> None:
-        """Fold keys `k` and values `v` `[B, h, t, D]` (fp32) into the statistics, `query_tile` rows at a time."""
-        kt = k.transpose(-1, -2)
-        for a in range(0, self.q.shape[2], self.query_tile):
-            b = a + self.query_tile
-            s = torch.matmul(self.q[:, :, a:b], kt).mul_(self.scale)  # [B, h, qt, t] scores
-            m_old = self.m[:, :, a:b]
-            m_new = torch.maximum(m_old, s.amax(-1))
-            s.sub_(m_new[..., None]).exp_()
-            alpha = m_old.sub_(m_new).exp_()  # exp(m_old - m_new), in the place of m_old (set to m_new below)
-            self.l[:, :, a:b].mul_(alpha).add_(s.sum(-1))
-            acc = self.acc[:, :, a:b]
-            acc.mul_(alpha[..., None]).add_(torch.matmul(s, v))
-            m_old.copy_(m_new)
+    def add(self, out: torch.Tensor, lse: torch.Tensor) -> None:
+        """Fold in the attention `out` `[B, h, Tq, D]` over another key set with log-sum-exp `lse` `[B, h, Tq]`."""
+        new = torch.logaddexp(self.lse, lse)
+        self.acc.mul_(self.lse.sub_(new).exp_()[..., None])
+        self.acc.addcmul_(out, new.neg().add_(lse).exp_()[..., None])  # out * exp(lse - new)
+        self.lse = new
 
     def result(self, dtype: torch.dtype) -> torch.Tensor:
-        """`acc / l` as `[B, Tq, h, D]` (contiguous) in `dtype`."""
+        """The attention `[B, Tq, h, D]` (contiguous) in `dtype`."""
         B, h, Tq, D = self.acc.shape
-        out = torch.empty(B, Tq, h, D, dtype=dtype, device=self.acc.device)
-        out.copy_(self.acc.div_(self.l[..., None]).transpose(1, 2))
-        return out
+        return torch.empty(B, Tq, h, D, dtype=dtype, device=self.acc.device).copy_(self.acc.transpose(1, 2))
 
 
 def attend_pages(
@@ -189,28 +215,24 @@ def attend_pages(
     query_tile: int | None = None,
 ) -> torch.Tensor:
     """`softmax(query·kᵀ·scale)·v` over the rows of `plan` (heads `[head_start, head_start + Hin)` of `io`'s pages),
-    without materializing them: tiles of at most `tile_tokens` rows built and folded one at a time (see the module
-    docstring). `query` `[B, Tq, Hin, D]` in the cache dtype (checked by the caller). Returns `[B, Tq, Hin, D]` in the
-    query dtype. Transient bytes: `attention_scratch_bytes`; O(Tq · T · Hin · D) flops. Tile sizes default to
-    `ATTN_TILE_TOKENS` and `ATTN_QUERY_TILE` (read at call time)."""
+    without materializing them: tiles of at most `tile_tokens` rows built one at a time into one buffer, each
+    attended (`tile_attention`) and merged by log-sum-exp (see the module docstring). `query` `[B, Tq, Hin, D]` in
+    the cache dtype (checked by the caller). Returns `[B, Tq, Hin, D]` in the query dtype. Transient bytes:
+    `attention_scratch_bytes`; O(Tq · T · Hin · D) flops. Tile sizes default to `ATTN_TILE_TOKENS` and
+    `ATTN_QUERY_TILE` (read at call time)."""
     tile_tokens = ATTN_TILE_TOKENS if tile_tokens is None else tile_tokens
     query_tile = ATTN_QUERY_TILE if query_tile is None else query_tile
     cut = attention_tiles(io, plan, tile_tokens)
-    B, _, hin, D = query.shape
-    q = torch.empty(B, hin, query.shape[1], D, dtype=torch.float32, device=query.device)
-    state = OnlineSoftmax(q.copy_(query.transpose(1, 2)), scale, query_tile)
-    state.add_zero_keys(cut.zero_rows)
-    n = 2 * B * tile_tokens * hin * D
-    buf = torch.empty(n, dtype=io.dtype, device=io.device)  # the tile's K/V in the cache dtype
-    buf32 = torch.empty(n, dtype=torch.float32, device=io.device)  # its fp32 copy, [2, B, Hin, t, D] contiguous
+    B, Tq, hin, D = query.shape
+    q = query.transpose(1, 2)  # [B, Hin, Tq, D], a view
+    merged = LseMerge(B, hin, Tq, D, query.dtype, query.device)
+    merged.add_zero_keys(cut.zero_rows)
+    buf = torch.empty(2 * B * tile_tokens * hin * D, dtype=io.dtype, device=io.device)  # the tile's K/V
     for tile in cut.tiles:
-        t = tile.tokens
-        kv = buf[: 2 * B * t * hin * D].view(2, B, t, hin, D)
+        kv = buf[: 2 * B * tile.tokens * hin * D].view(2, B, tile.tokens, hin, D)
         io.build_view(tile, head_start, hin, kv)
-        kv = kv.permute(0, 1, 3, 2, 4)  # [2, B, Hin, t, D]
-        kv = buf32[: kv.numel()].view(kv.shape).copy_(kv)
-        state.add_tile(kv[0], kv[1])
-    return state.result(query.dtype)
+        merged.add(*tile_attention(q, kv[0].transpose(1, 2), kv[1].transpose(1, 2), scale, query_tile))
+    return merged.result(query.dtype)
 
 
 def attention_scratch_bytes(
@@ -223,17 +245,18 @@ def attention_scratch_bytes(
     tile_tokens: int = ATTN_TILE_TOKENS,
     query_tile: int = ATTN_QUERY_TILE,
 ) -> int:
-    """Upper bound of the transient bytes of `attend_pages` over dense rows, whatever the window length: the tile
-    buffer (cache dtype) and its fp32 copy, the fp32 query, accumulator and statistics of the query rows, one fp32
-    score tile and the per-tile temporaries of the query tile (row max, sum, the new max, `s·v`), and the output.
-    Packed tiles add `packed_decode_bytes`."""
+    """Upper bound of the bytes `attend_pages` allocates over dense rows (as tensors the dispatcher sees; aten's
+    CPU flash kernel adds its own per-thread scratch), whatever the window length: the tile buffer, the fp32
+    output and log-sum-exp of the query rows (`merge_dtype`) plus one tile's output and log-sum-exp and the merge's
+    temporaries (3 x `[B, h, Tq]`), the result; without the flash kernel, the fp32 copies of the tile and one
+    fp32 score tile of `query_tile` rows with its row statistics."""
     B, Tq, h, D, t = batch, query_tokens, heads, head_dim, tile_tokens
-    qt = min(query_tile, Tq)
-    f32 = 4
-    tile = 2 * B * t * h * D * (dtype.itemsize + f32)
-    per_query = B * h * Tq * (2 * D + 2) * f32 + B * Tq * h * D * dtype.itemsize  # q, acc, m, l; the output
-    score = B * h * qt * t * f32 + B * h * qt * (3 + D) * f32
-    return tile + per_query + score
+    f32, size, m = 4, dtype.itemsize, merge_dtype(dtype).itemsize
+    tile = 2 * B * t * h * D * size
+    per_query = B * h * Tq * (D * m + m) + B * h * Tq * (D * size + f32) + 3 * B * h * Tq * m
+    per_query += B * Tq * h * D * size  # the result
+    fallback = 2 * B * t * h * D * f32 + B * h * min(query_tile, Tq) * (t + 2 * D + 4) * f32
+    return tile + per_query + fallback
 
 
 def packed_decode_bytes(batch: int, cache_heads: int, head_dim: int, tile_tokens: int, fmt) -> int:

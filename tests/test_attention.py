@@ -247,3 +247,13 @@ def test_transient_bytes_independent_of_window(quant):
         fmt = PackedFormat(head_dim=128, num_heads=4, cfg=QUANTS[quant], dtype=torch.bfloat16)
         bound += packed_decode_bytes(1, 4, 128, 16, fmt)
     assert peaks[0] <= bound
+
+
+@pytest.mark.parametrize("quant", ["off", "int2"])
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_matmul_path_without_flash_kernel(monkeypatch, quant, dtype):
+    """The fp32-matmul tile attention (other devices, or torch builds without aten's CPU flash kernel): the same
+    bound on the same calls, and on adversarial scores."""
+    monkeypatch.setattr(attention, "_flash_cpu", lambda: None)
+    test_matches_view_sdpa(quant, dtype)
+    test_adversarial_scores(quant, dtype)
