@@ -156,3 +156,38 @@ def test_grid_limits_both_sides():
 
     with pytest.raises(GridLimitError, match="kmeans_assign: grid axis y needs 70000"):
         launch_on_device("kmeans_assign", (Kernel(), (1, 70000), (torch.zeros(1),), {}))
+
+
+@pytest.mark.skipif(DEVICE is None, reason=WHY)
+def test_launch_geometry_at_and_past_the_limits():
+    """The launch helpers' grids on meta tensors (no memory): packed_dequant folds its (kv, batch, head block)
+    groups into axis x, so 2 * B * head_blocks = 81,920 > 65,535 still launches; view_runs without `max_run` over
+    a view longer than 65,535 row blocks raises GridLimitError before launching, and fits with the cache's
+    max_run."""
+    from pagedqvg.kernels import triton_resources as tr
+    from pagedqvg.kernels.triton_common import CUDA_GRID_MAX, GridLimitError, check_grid
+    from pagedqvg.kernels.triton_dequant import packed_dequant_launch
+    from pagedqvg.kernels.triton_view_runs import view_runs_launch
+    from pagedqvg.quant import PackedFormat, QuantConfig
+
+    meta = torch.device("meta")
+    h, d, batch = 40, 128, 8192
+    fmt = PackedFormat(d, h, QuantConfig(bits=2), torch.bfloat16)
+    tokens, cb, cbp = tr.packed_pages(fmt, batch, page_bytes=1 << 30, num_pages=4)
+    out_t = torch.empty(2, batch, 3, h, d, dtype=torch.bfloat16, device=meta).permute(2, 0, 1, 3, 4)
+    pieces = torch.empty(3, 5, dtype=torch.int64, device=meta)
+    _, grid, _, kwargs = packed_dequant_launch(tokens, cb, pieces, cbp, 0, out_t, fmt)
+    groups = 2 * batch * (-(-h // kwargs["HEADS_PER_BLOCK"]))
+    assert groups > CUDA_GRID_MAX[1] and grid == (3 * groups, 1)
+    check_grid("packed_dequant", grid)
+
+    rows = tr.meta_rows(h, d, torch.bfloat16, 1 << 20)
+    rows = rows[:, : rows.shape[1] // 2 * 2]
+    t = 4 * 65535 + 4  # 4 rows per program (the compiled tile at this shape): 65,536 row blocks
+    view = torch.empty(2, 1, t, h, d, dtype=torch.bfloat16, device=meta).permute(2, 0, 1, 3, 4)
+    runs = torch.empty(8, 6, dtype=torch.int64, device=meta)
+    with pytest.raises(GridLimitError, match=r"view_runs grid .* exceeds CUDA's 65535"):
+        view_runs_launch(rows, None, None, None, runs, 0, view, None, block_rows=4)
+    _, grid, _, _ = view_runs_launch(rows, None, None, None, runs, 0, view, None, max_run=4 * 65535, block_rows=4)
+    assert grid[1] == 65535
+    check_grid("view_runs", grid)

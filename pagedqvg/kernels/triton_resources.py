@@ -140,11 +140,18 @@ def report(arch: int = 90, shapes: tuple[LayerShape, ...] | None = None) -> list
 
 
 def format_table(rows: list[dict]) -> str:
-    """`rows` as a Markdown table (kernel x shape)."""
-    head = "| kernel | shape | registers | spill st/ld (B) | shared (B) | config | grid |"
-    lines = [head, "|---|---|---:|---:|---:|---|---|"]
+    """`rows` as a Markdown table, one line per kernel and resource set: registers, spill stores/loads (bytes per
+    thread), shared memory (bytes per program), config, and the grid at each shape (`-`: other resources there,
+    on their own line)."""
+    shapes = list(dict.fromkeys(r["shape"] for r in rows))
+    lines: dict[tuple, dict[str, str]] = {}
     for r in rows:
-        grid = " x ".join(map(str, r["grid"]))
-        lines.append(f"| {r['kernel']} | {r['shape']} | {r['registers']} | {r['spill_stores']}/{r['spill_loads']} "
-                     f"| {r['shared']} | {r['config']} | {grid} |")  # fmt: skip
-    return "\n".join(lines)
+        key = (r["kernel"], r["registers"], r["spill_stores"], r["spill_loads"], r["shared"], r["config"])
+        lines.setdefault(key, {})[r["shape"]] = " x ".join(map(str, r["grid"]))
+    head = "| kernel | registers | spill st/ld (B) | shared (B) | config | " + " | ".join(
+        f"grid {s}" for s in shapes) + " |"  # fmt: skip
+    out = [head, "|---|---:|---:|---:|---|" + "---|" * len(shapes)]
+    for (kernel, regs, st, ld, shared, config), grids in lines.items():
+        cells = " | ".join(grids.get(s, "-") for s in shapes)
+        out.append(f"| {kernel} | {regs} | {st}/{ld} | {shared} | {config} | {cells} |")
+    return "\n".join(out)
