@@ -28,15 +28,16 @@ from dataclasses import dataclass
 
 import torch
 
-from .kernels.dequant import DEQUANT_TILE_ELEMS
+from .attention_budget import ATTN_QUERY_TILE, ATTN_TILE_TOKENS, attention_scratch_bytes, packed_decode_bytes
 from .kernels.rows import int64_on
 from .kernels.view_runs import DENSE, RUN_COLUMNS, ZERO
 from .page_io import PageIO, ViewPlan
 
-#: Key rows per tile (tokens of the view decoded at a time).
-ATTN_TILE_TOKENS = 512
-#: Query rows per score tile.
-ATTN_QUERY_TILE = 512
+__all__ = [
+    "ATTN_QUERY_TILE", "ATTN_TILE_TOKENS", "AttentionTiles", "LseMerge", "attend_pages", "attention_scratch_bytes",
+    "attention_tiles", "check_query", "merge_dtype", "packed_decode_bytes", "tile_attention",
+]  # fmt: skip
+
 
 
 @dataclass(frozen=True, slots=True)
@@ -233,41 +234,3 @@ def attend_pages(
         io.build_view(tile, head_start, hin, kv)
         merged.add(*tile_attention(q, kv[0].transpose(1, 2), kv[1].transpose(1, 2), scale, query_tile))
     return merged.result(query.dtype)
-
-
-def attention_scratch_bytes(
-    batch: int,
-    query_tokens: int,
-    heads: int,
-    head_dim: int,
-    dtype: torch.dtype,
-    *,
-    tile_tokens: int = ATTN_TILE_TOKENS,
-    query_tile: int = ATTN_QUERY_TILE,
-) -> int:
-    """Upper bound of the bytes `attend_pages` allocates over dense rows (as tensors the dispatcher sees; aten's
-    CPU flash kernel adds its own per-thread scratch), whatever the window length: the tile buffer, the fp32
-    output and log-sum-exp of the query rows (`merge_dtype`) plus one tile's output and log-sum-exp and the merge's
-    temporaries (3 x `[B, h, Tq]`), the result; without the flash kernel, the fp32 copies of the tile and one
-    fp32 score tile of `query_tile` rows with its row statistics."""
-    B, Tq, h, D, t = batch, query_tokens, heads, head_dim, tile_tokens
-    f32, size, m = 4, dtype.itemsize, merge_dtype(dtype).itemsize
-    tile = 2 * B * t * h * D * size
-    per_query = B * h * Tq * (D * m + m) + B * h * Tq * (D * size + f32) + 3 * B * h * Tq * m
-    per_query += B * Tq * h * D * size  # the result
-    fallback = 2 * B * t * h * D * f32 + B * h * min(query_tile, Tq) * (t + 2 * D + 4) * f32
-    return tile + per_query + fallback
-
-
-def packed_decode_bytes(batch: int, cache_heads: int, head_dim: int, tile_tokens: int, fmt) -> int:
-    """Upper bound of the extra transient bytes of decoding a packed tile of `tile_tokens` tokens
-    (`packed_dequant_torch`: the segment's codebooks, the tile's gathered token rows and int64 row indices, and its
-    fp32 decode steps of at most `DEQUANT_TILE_ELEMS` elements, counted as 8 live fp32 copies of a step)."""
-    rows = 2 * batch * cache_heads
-    codebooks = rows * fmt.cfg.stages * fmt.cfg.centroids * head_dim * fmt.codebook_dtype.itemsize
-    tokens = tile_tokens * 2 * batch * fmt.token_row_bytes
-    index = 8 * tile_tokens * 8
-    step = min(DEQUANT_TILE_ELEMS, tile_tokens * rows * head_dim)
-    return codebooks + tokens + index + 8 * step * 4
-
-
