@@ -240,7 +240,7 @@ def set_view_run_cap(cache: PagedCausalKVCache, run_cap: int | None) -> None:
 
 def wrap_pressure_plan(cache: PagedCausalKVCache, wrap: Callable[[Callable], Callable]) -> None:
     """Replace the cache's pack-under-pressure planner by `wrap(planner)` (a spy)."""
-    cache._pressure_plan = wrap(cache._pressure_plan)
+    cache._packer.pressure_plan = wrap(cache._packer.pressure_plan)
 
 
 def sink_segment_starts(cache: PagedCausalKVCache) -> Any:
