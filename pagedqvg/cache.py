@@ -17,6 +17,7 @@ from typing import NamedTuple
 import torch
 
 from .allocator import BlockPool, RangeEntry
+from .allocator.pool import exhausted_error, set_used_bytes
 from .errors import CacheClosedError, CacheConfigError, PackingFailedWarning
 from .layout import DenseTokenLayout
 from .packing import PackedStore, QuantizedChunk
@@ -481,7 +482,7 @@ class PagedCausalKVCache:
 
     def _report_used(self) -> None:
         """Tell the pool how many bytes of our pages hold retained rows (the rest is waste)."""
-        self.pool.set_used_bytes(self.owner, self.memory_breakdown()["used_bytes"])
+        set_used_bytes(self.pool, self.owner, self.memory_breakdown()["used_bytes"])
 
     def memory_breakdown(self) -> dict[str, int]:
         """Exact bytes: pages held by dense and packed segments, tokens retained in each, and the bytes those
@@ -643,8 +644,8 @@ class PagedCausalKVCache:
         hint = ""
         if self._packed is not None and not self.pack_under_pressure:
             hint = "; pack_under_pressure=True would pack this layer's bf16 chunks early"
-        raise pool.exhausted_error(
-            need, f"{self.debug_name}: {what} ({freed} pages freed by this call's eviction count as free{hint})"
+        raise exhausted_error(
+            pool, need, f"{self.debug_name}: {what} ({freed} pages freed by this call's eviction count as free{hint})"
         )
 
     def _finish_view(self, view_plan: ViewPlan, h0: int, hin: int, ls: int, le: int):
@@ -682,7 +683,7 @@ class PagedCausalKVCache:
         """Every segment back to the pool; cursors 0, unpinned (the sequencer's `reset`)."""
         for entry in self._seq.reset():
             self.pool.free(entry.value.pages, self.owner)
-        self.pool.set_used_bytes(self.owner, 0)
+        set_used_bytes(self.pool, self.owner, 0)
 
     def rewind_to(self, pos: int) -> None:
         """Drop every token at global position `pos` and later, so the next append starts at `pos` (no dense

@@ -34,6 +34,7 @@ from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, rule, run_state_machine_as_test
 
 from pagedqvg import BlockPool, PagedCausalKVCache, PoolExhaustedError
+from pagedqvg.allocator.pool import debug_state
 
 NUM_LAYERS = 3
 DTYPES = (torch.float32, torch.float16, torch.bfloat16)
@@ -100,7 +101,7 @@ class PagedCacheMachine(RuleBasedStateMachine):
     def snapshot(self, i):
         c = self.caches[i]
         pool = self.pool
-        dbg = pool.debug_state() if hasattr(pool, "debug_state") else None
+        dbg = debug_state(pool)
         return (
             pool.stats(),
             dbg,
@@ -432,7 +433,7 @@ def test_pool_exhausted_changes_nothing(use_int):
 
     def snapshot():
         cache = caches[0]
-        return (pool.stats(), pool.debug_state(), cache.resident_nbytes(), cache.global_end_index_int,
+        return (pool.stats(), debug_state(pool), cache.resident_nbytes(), cache.global_end_index_int,
                 int(cache.global_end_index.item()), cache.local_end_index_int)  # fmt: skip
 
     before = snapshot()
@@ -499,7 +500,7 @@ def test_pool_exhaustion_random(cfg, seed, extra):
         s = refs[i].G
         before = (
             pool.stats(),
-            pool.debug_state(),
+            debug_state(pool),
             caches[i].resident_nbytes(),
             int(caches[i].global_end_index.item()),
             caches[i].global_end_index_int,
@@ -510,7 +511,7 @@ def test_pool_exhaustion_random(cfg, seed, extra):
             raised = True
             after = (
                 pool.stats(),
-                pool.debug_state(),
+                debug_state(pool),
                 caches[i].resident_nbytes(),
                 int(caches[i].global_end_index.item()),
                 caches[i].global_end_index_int,

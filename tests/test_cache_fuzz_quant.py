@@ -69,6 +69,7 @@ from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, rule, run_state_machine_as_test
 
 from pagedqvg import BlockPool, PagedCausalKVCache, PoolExhaustedError, QuantConfig
+from pagedqvg.allocator.pool import debug_state
 from pagedqvg.quant import PackedFormat, prq_dequantize, prq_quantize
 
 NUM_LAYERS = 2
@@ -298,7 +299,7 @@ class QuantFuzzMachine(RuleBasedStateMachine):
         pool = self.pool
         return (
             dataclasses.replace(pool.stats(), high_water_pages=0),  # a squeezed call's ballast raises the mark
-            pool.debug_state(),
+            debug_state(pool),
             cache.global_end_index_int,
             cache.local_end_index_int,
             int(cache.global_end_index.item()),
