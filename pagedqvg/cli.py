@@ -240,6 +240,16 @@ def _add_common(p: argparse.ArgumentParser, default_preset: str, *, simulate: bo
         )
 
 
+def _add_attention_arg(plan: argparse.ArgumentParser) -> None:
+    plan.add_argument(
+        "--attention",
+        choices=ATTENTION_MODES,
+        default="view",
+        help="view: each call builds a transient K/V view (update_and_get_attention_kv); pages: update_and_attend "
+        "(attention from pages: a window-independent scratch instead). Budget lines show both (default view)",
+    )
+
+
 def build_parser() -> argparse.ArgumentParser:
     """The `pagedqvg` argument parser."""
     parser = _Parser(
@@ -279,13 +289,7 @@ def build_parser() -> argparse.ArgumentParser:
     b.add_argument(
         "--device", default=None, help="device for --memory-fraction without --gpu (default cuda if present)"
     )
-    plan.add_argument(
-        "--attention",
-        choices=ATTENTION_MODES,
-        default="view",
-        help="view: each call builds a transient K/V view (update_and_get_attention_kv); pages: update_and_attend "
-        "(attention from pages: a window-independent scratch instead). Budget lines show both (default view)",
-    )
+    _add_attention_arg(plan)
     plan.add_argument("--json", action="store_true", help="print JSON instead of a table")
     plan.set_defaults(func=cmd_plan)
 
