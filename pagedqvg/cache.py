@@ -364,12 +364,7 @@ class PagedCausalKVCache:
         retained rows (plus codebooks) occupy. O(segments x runs)."""
         return self._packer.memory_breakdown()
 
-    def _sync_cursors(self) -> None:
-        st = self._seq.state
-        self._on_cursors_changed(st.global_end, st.local_end)
-
     # ------------------------------------------------------------ the call
-    @torch.no_grad()
     def update_and_get_attention_kv(
         self,
         *,
@@ -411,14 +406,15 @@ class PagedCausalKVCache:
             PoolExhaustedError: the pool cannot hold the new tokens.
             ValueError, TypeError: bad shapes, dtype, device, heads or negative numbers (naming the values).
         """
-        if debug_name is None or debug_name == self.debug_name:
-            return self._update(key, value, current_chunk_start, cache_head_start, recent_window_tokens)
-        own = self.debug_name
-        self.debug_name = f"{debug_name} ({own})"  # every error of this call names the caller's label
+        own, grad = self.debug_name, torch.is_grad_enabled()
+        if debug_name is not None and debug_name != own:
+            self.debug_name = f"{debug_name} ({own})"  # every error of this call names the caller's label
+        torch.set_grad_enabled(False)  # writes into the pool must not join an autograd graph
         try:
             return self._update(key, value, current_chunk_start, cache_head_start, recent_window_tokens)
         finally:
             self.debug_name = own
+            torch.set_grad_enabled(grad)
 
     def _update(self, key, value, current_chunk_start, cache_head_start, recent_window_tokens):
         self._before_call("update_and_get_attention_kv")
@@ -475,7 +471,7 @@ class PagedCausalKVCache:
         if entry is not None and packer.apply_policy(plan.start, plan.end, self.debug_name):
             self._structure_changed()
         self._packer.report_used()
-        self._sync_cursors()
+        self._on_cursors_changed(self._seq.state.global_end, self._seq.state.local_end)
         if entry is not None and hin != self._num_heads:
             # Heads this call does not write read as zeros (the dense cache would show stale rolled data).
             self._zero_tokens(entry, entry.start, entry.end)
@@ -531,7 +527,7 @@ class PagedCausalKVCache:
             self._packer.trim_pages(straddler)
         self._structure_changed()
         self._packer.report_used()
-        self._sync_cursors()
+        self._on_cursors_changed(self._seq.state.global_end, self._seq.state.local_end)
 
     def close(self) -> None:
         """Give every page back; afterwards every call raises CacheClosedError. Idempotent."""
