@@ -74,9 +74,9 @@ class PagedCausalKVCache:
         quant: a `QuantConfig` to pack completed chunks with PRQ (2 or 4 bits); None or bits=None: exact bf16.
         name: this layer's label: the pool owner's prefix and the first word of every error message
             (default "layer").
-        reuse_view_buffer: build every view into one per-pool scratch buffer instead of a fresh tensor (no
-            allocation per call); such a view is valid only until the next call on any cache of the pool
-            (default False).
+        reuse_view_buffer: build every view into one per-pool scratch buffer instead of a fresh tensor (a repeated
+            call of a view of dense rows then allocates nothing; without it exactly its view); such a view is valid
+            only until the next call on any cache of the pool (default False).
         pack_under_pressure: with quantization, when an advance does not fit the pool, pack this layer's bf16
             chunks early (oldest first) if that frees enough pages, instead of raising PoolExhaustedError
             (default False).
