@@ -1,6 +1,6 @@
 """Memory planning: exact page accounting of the paged cache, from the segment layouts of pagedqvg/layout.py.
 
-The model is the cache's own retention rule (shared/SEMANTICS.md), applied chunk by chunk:
+The model is the cache's own retention rule (docs/SEMANTICS.md), applied chunk by chunk:
 
 - one appended chunk is one segment; a bf16 segment of `n` tokens takes `DenseTokenLayout.pages_for_tokens(n)` pages,
   a packed one `PackedSegmentLayout.from_format(...).pages_for_tokens(n)` pages;

@@ -38,6 +38,7 @@ from hypothesis import note as _hnote
 from hypothesis import strategies as st
 
 from pagedqvg import CacheConfigError, PagedCausalKVCache, SequencingError, policy
+from pagedqvg.allocator.pool import debug_state
 from pagedqvg.kernels.kmeans import distance_error_bound, kmeans_assign_torch, kmeans_update_torch
 
 CUDA = torch.cuda.is_available()
@@ -180,7 +181,7 @@ def cache_state(cache: PagedCausalKVCache) -> tuple:
         cache.global_end_index_int,
         cache.local_end_index_int,
         pool.stats(),
-        pool.debug_state(),
+        debug_state(pool),
         pool.arena.clone(),
     )
 
@@ -317,18 +318,20 @@ def rerun_interpreted(test_file: str) -> None:
 
 def compiled_mode_json(script: str, *args: str, **env: str) -> dict:
     """Run `script` (which prints `JSON{...}`) in a fresh compiled-mode process (TRITON_INTERPRET unset, FP fusion
-    on as on a GPU, plus `env`) and return the JSON. Skips the calling test when the script fails inside Triton's
-    internals (`triton_aot` uses some; a newer Triton may move them), fails it on any other error."""
+    on as on a GPU, plus `env`) and return the JSON. Skips the calling test only when triton is not installed; any
+    failure of the script fails it (a Triton upgrade that moves the internals `triton_aot` uses, or breaks a
+    kernel's compilation, must not pass silently)."""
+    import importlib.util
     import json
 
     import pytest
 
+    if importlib.util.find_spec("triton") is None:
+        pytest.skip("triton is not installed")
     proc = subprocess.run(
         [sys.executable, "-c", script, *args], cwd=REPO, env=clean_env(TRITON_DEFAULT_FP_FUSION="1", **env),
-        capture_output=True, text=True, timeout=600,
+        capture_output=True, text=True, timeout=900,
     )  # fmt: skip
-    if proc.returncode != 0 and re.search(r"(ImportError|AttributeError|TypeError).*triton", proc.stderr[-2000:]):
-        pytest.skip(f"this Triton version moved the internals the AOT check uses: {proc.stderr[-500:]}")
     assert proc.returncode == 0, proc.stderr[-4000:]
     return json.loads(proc.stdout.split("JSON", 1)[1])
 

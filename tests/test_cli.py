@@ -223,6 +223,13 @@ def test_plan_budget_lines_show_compact(capsys) -> None:
     assert "session(s) at 18 frames" in lines["compact"]
 
 
+def test_plan_help_does_not_offer_chunks(capsys) -> None:
+    assert main(["plan", "--help"]) == 0
+    assert "--chunks" not in capsys.readouterr().out
+    assert main(["simulate", "--help"]) == 0
+    assert "--chunks" in capsys.readouterr().out
+
+
 def test_version(capsys) -> None:
     import pagedqvg
 
@@ -480,7 +487,7 @@ def test_console_script_exit_status() -> None:
 # ---------------------------------------------------------------------------------------------------- simulate
 def _summary_schema(s: dict) -> None:
     assert s["schema"] == SUMMARY_SCHEMA
-    assert set(s) == {"schema", "workload", "engine", "device", "quant_requested", "quant_measured", "note", "chunks",
+    assert set(s) == {"schema", "workload", "engine", "device", "quant_requested", "quant_measured", "chunks",
                       "calls", "seconds", "pool_capacity_bytes", "measured", "plan", "agreement", "accounting",
                       "plan_only", "outputs"}
     assert set(s["measured"]) == {"steady_state_bytes", "high_water_bytes", "used_bytes", "waste_bytes",
@@ -565,7 +572,7 @@ def test_simulate_compact_tiny(capsys, tmp_path: Path) -> None:
     assert code == 0, err
     s = json.loads(out)
     assert s["workload"]["quant"] == quant_as_dict(QuantConfig.compact(centroids=8, kmeans_iters=1))
-    assert s["quant_requested"] == s["quant_measured"] == s["plan"]["mode"] == "compact" and s["note"] == ""
+    assert s["quant_requested"] == s["quant_measured"] == s["plan"]["mode"] == "compact"
     assert s["measured"]["packed_bytes"] > 0
     assert s["agreement"]["ok"] and s["agreement"]["steady_state_rel_diff"] == 0.0
     assert s["agreement"]["high_water_rel_diff"] == 0.0
