@@ -78,9 +78,9 @@ class PagedCausalKVCache:
         quant: a `QuantConfig` to pack completed chunks with PRQ (2 or 4 bits); None or bits=None: exact bf16.
         name: this layer's label: the pool owner's prefix and the first word of every error message
             (default "layer").
-        reuse_view_buffer: build every view into one per-pool scratch buffer instead of a fresh tensor (no
-            allocation per call); such a view is valid only until the next call on any cache of the pool
-            (default False).
+        reuse_view_buffer: build every view into one per-pool scratch buffer instead of a fresh tensor (a repeated
+            call of a view of dense rows then allocates nothing; without it exactly its view); such a view is valid
+            only until the next call on any cache of the pool (default False).
         pack_under_pressure: with quantization, when an advance does not fit the pool, pack this layer's bf16
             chunks early (oldest first) if that frees enough pages, instead of raising PoolExhaustedError
             (default False).
@@ -368,12 +368,7 @@ class PagedCausalKVCache:
         retained rows (plus codebooks) occupy. O(segments x runs)."""
         return self._packer.memory_breakdown()
 
-    def _sync_cursors(self) -> None:
-        st = self._seq.state
-        self._on_cursors_changed(st.global_end, st.local_end)
-
     # ------------------------------------------------------------ the call
-    @torch.no_grad()
     def update_and_get_attention_kv(
         self,
         *,
@@ -415,14 +410,15 @@ class PagedCausalKVCache:
             PoolExhaustedError: the pool cannot hold the new tokens.
             ValueError, TypeError: bad shapes, dtype, device, heads or negative numbers (naming the values).
         """
-        if debug_name is None or debug_name == self.debug_name:
-            return self._update(key, value, current_chunk_start, cache_head_start, recent_window_tokens)
-        own = self.debug_name
-        self.debug_name = f"{debug_name} ({own})"  # every error of this call names the caller's label
+        own, grad = self.debug_name, torch.is_grad_enabled()
+        if debug_name is not None and debug_name != own:
+            self.debug_name = f"{debug_name} ({own})"  # every error of this call names the caller's label
+        torch.set_grad_enabled(False)  # writes into the pool must not join an autograd graph
         try:
             return self._update(key, value, current_chunk_start, cache_head_start, recent_window_tokens)
         finally:
             self.debug_name = own
+            torch.set_grad_enabled(grad)
 
     @torch.no_grad()
     def update_and_attend(
@@ -532,7 +528,7 @@ class PagedCausalKVCache:
         if entry is not None and packer.apply_policy(plan.start, plan.end, self.debug_name):
             self._structure_changed()
         self._packer.report_used()
-        self._sync_cursors()
+        self._on_cursors_changed(self._seq.state.global_end, self._seq.state.local_end)
         if entry is not None and hin != self._num_heads:
             # Heads this call does not write read as zeros (the dense cache would show stale rolled data).
             self._zero_tokens(entry, entry.start, entry.end)
@@ -588,7 +584,7 @@ class PagedCausalKVCache:
             self._packer.trim_pages(straddler)
         self._structure_changed()
         self._packer.report_used()
-        self._sync_cursors()
+        self._on_cursors_changed(self._seq.state.global_end, self._seq.state.local_end)
 
     def close(self) -> None:
         """Give every page back; afterwards every call raises CacheClosedError. Idempotent."""
