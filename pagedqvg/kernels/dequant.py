@@ -32,6 +32,7 @@ import torch
 
 from ..layout import page_pieces
 from ..quant import PackedFormat, prq_dequantize
+from .ops import PackedDequantArgs, op_entry
 
 
 def piece_table(
@@ -47,16 +48,12 @@ def piece_table(
     return out
 
 
-def check_packed_dequant(
-    tokens: torch.Tensor,
-    codebooks: torch.Tensor,
-    pieces: torch.Tensor,
-    cb_pages: torch.Tensor,
-    head_start: int,
-    out_t: torch.Tensor,
-    fmt: PackedFormat,
-) -> None:
+@op_entry(PackedDequantArgs)
+def check_packed_dequant(a: PackedDequantArgs) -> None:
     """Shape/dtype checks shared by the reference and the Triton launch (no data is read: no device sync)."""
+    tokens, codebooks, pieces, cb_pages, head_start, out_t, fmt = (
+        a.tokens, a.codebooks, a.pieces, a.cb_pages, a.head_start, a.out_t, a.fmt
+    )  # fmt: skip
     if tokens.dtype != torch.uint8 or tokens.dim() != 5 or tokens.shape[2] != 2:
         raise ValueError(f"tokens must be uint8 [num_pages, tpp, 2, B, row_bytes], got {tokens.dtype} "
                          f"{tuple(tokens.shape)}")  # fmt: skip
@@ -114,24 +111,20 @@ def piece_tokens(pieces: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torc
     )
 
 
-def packed_dequant_torch(
-    tokens: torch.Tensor,
-    codebooks: torch.Tensor,
-    pieces: torch.Tensor,
-    cb_pages: torch.Tensor,
-    head_start: int,
-    out_t: torch.Tensor,
-    fmt: PackedFormat,
-) -> None:
-    """Reference: `prq_dequantize` of every piece's token rows (all 2*B*H heads) and a copy of the head slice.
+@op_entry(PackedDequantArgs)
+def packed_dequant_torch(a: PackedDequantArgs) -> None:
+    """Reference: `prq_dequantize` of every piece's token rows (all 2*B*H heads) and a copy of the head slice
+    (fields: `ops.PackedDequantArgs`).
 
     Per segment (pieces sharing a `cb_offset`): one gather of its token rows, `prq_dequantize` in steps of
     `DEQUANT_TILE_ELEMS` elements, one `index_copy_` of each step into its output rows. `fmt` is the format of one
     (kv, b) row: `fmt.num_heads` = H, the cache's heads. Exact `prq_dequantize` values (it is elementwise per token,
     so the step size does not change them).
     """
-    check_packed_dequant(tokens, codebooks, pieces, cb_pages, head_start, out_t, fmt)
-    pieces = pieces[pieces[:, 2] > 0]
+    check_packed_dequant(a)
+    tokens, codebooks, cb_pages, out_t, fmt = a.tokens, a.codebooks, a.cb_pages, a.out_t, a.fmt
+    head_start = a.head_start
+    pieces = a.pieces[a.pieces[:, 2] > 0]
     if pieces.shape[0] == 0:
         return
     B = tokens.shape[3]

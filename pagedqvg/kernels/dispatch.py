@@ -36,6 +36,17 @@ import torch
 from ..debug import debug_checks
 from .dequant import packed_dequant_torch
 from .kmeans import kmeans_assign_torch, kmeans_update_torch
+from .ops import (
+    KmeansAssignArgs,
+    KmeansUpdateArgs,
+    PackedDequantArgs,
+    PageFillArgs,
+    PageWriteArgs,
+    ResidualPackArgs,
+    ViewBuildArgs,
+    ViewRunsArgs,
+    op_entry,
+)
 from .page_write import page_fill_torch, page_write_torch
 from .residual_pack import residual_pack_torch
 from .view_build import view_build_torch
@@ -123,91 +134,97 @@ def _triton(device: torch.device):
     return SimpleNamespace(**{name: sys.modules[f"{__package__}.{name}"] for name in _TRITON_MODULES})
 
 
-def page_write(rows, page_idx, slot_idx, head_start, key, value, backend: str | None = None, halves=None) -> None:
+@op_entry(PageWriteArgs)
+def page_write(a: PageWriteArgs, backend: str | None = None, halves=None) -> None:
     """Scatter key/value into token rows (see page_write.py); `halves`: the torch reference's split index, kept by
     the caller."""
-    if (backend or kernel_backend(rows.device)) == "triton":
-        _check_rows(rows, page_idx, slot_idx)
-        _triton(rows.device).triton_page_write.page_write_triton(rows, page_idx, slot_idx, head_start, key, value)
+    if (backend or kernel_backend(a.rows.device)) == "triton":
+        _check_rows(a.rows, a.page_idx, a.slot_idx)
+        _triton(a.rows.device).triton_page_write.page_write_triton(a)
     else:
-        page_write_torch(rows, page_idx, slot_idx, head_start, key, value, halves)
+        page_write_torch(a, halves)
 
 
-def page_fill(rows, page_idx, slot_idx, fill: float = 0.0, backend: str | None = None) -> None:
+@op_entry(PageFillArgs)
+def page_fill(a: PageFillArgs, backend: str | None = None) -> None:
     """Fill every head of the addressed token rows."""
-    if (backend or kernel_backend(rows.device)) == "triton":
-        _check_rows(rows, page_idx, slot_idx)
-        _triton(rows.device).triton_page_write.page_fill_triton(rows, page_idx, slot_idx, fill)
+    if (backend or kernel_backend(a.rows.device)) == "triton":
+        _check_rows(a.rows, a.page_idx, a.slot_idx)
+        _triton(a.rows.device).triton_page_write.page_fill_triton(a)
     else:
-        page_fill_torch(rows, page_idx, slot_idx, fill)
+        page_fill_torch(a)
 
 
-def view_build(rows, page_idx, slot_idx, head_start, num_heads, out, backend: str | None = None, gather=None):
+@op_entry(ViewBuildArgs)
+def view_build(a: ViewBuildArgs, backend: str | None = None, gather=None):
     """Gather visible token rows into `out` (see view_build.py); `gather`: the torch reference's `gather_plan`,
     kept by the caller."""
-    if (backend or kernel_backend(rows.device)) == "triton":
-        _check_rows(rows, page_idx, slot_idx)
-        kernels = _triton(rows.device).triton_view_build
-        return kernels.view_build_triton(rows, page_idx, slot_idx, head_start, num_heads, out)
-    return view_build_torch(rows, page_idx, slot_idx, head_start, num_heads, out, gather)
+    if (backend or kernel_backend(a.rows.device)) == "triton":
+        _check_rows(a.rows, a.page_idx, a.slot_idx)
+        return _triton(a.rows.device).triton_view_build.view_build_triton(a)
+    return view_build_torch(a, gather)
 
 
-def packed_dequant(tokens, codebooks, pieces, cb_pages, head_start, out_t, fmt) -> None:
+@op_entry(PackedDequantArgs)
+def packed_dequant(a: PackedDequantArgs) -> None:
     """Dequantize pieces of packed segments straight from their pages into `out_t` (see dequant.py)."""
-    if kernel_backend(out_t.device) == "triton":
+    if kernel_backend(a.out_t.device) == "triton":
+        pieces = a.pieces
         if debug_checks() and pieces.numel():
             first, count = pieces[:, 1], pieces[:, 2]
-            if int(pieces[:, 0].max()) >= tokens.shape[0] or int((first + count).max()) > tokens.shape[1]:
+            if int(pieces[:, 0].max()) >= a.tokens.shape[0] or int((first + count).max()) > a.tokens.shape[1]:
                 raise IndexError(f"packed piece table leaves the token pages: {pieces.tolist()}")
-            if int(cb_pages.max()) >= codebooks.shape[0]:
-                raise IndexError(f"codebook page out of range: {cb_pages.tolist()} (pages: {codebooks.shape[0]})")
-        kernels = _triton(out_t.device).triton_dequant
-        kernels.packed_dequant_triton(tokens, codebooks, pieces, cb_pages, head_start, out_t, fmt)
+            if int(a.cb_pages.max()) >= a.codebooks.shape[0]:
+                raise IndexError(
+                    f"codebook page out of range: {a.cb_pages.tolist()} (pages: {a.codebooks.shape[0]})"
+                )
+        _triton(a.out_t.device).triton_dequant.packed_dequant_triton(a)
     else:
-        packed_dequant_torch(tokens, codebooks, pieces, cb_pages, head_start, out_t, fmt)
+        packed_dequant_torch(a)
 
 
-def kmeans_assign(x, c):
+@op_entry(KmeansAssignArgs)
+def kmeans_assign(a: KmeansAssignArgs):
     """Nearest-centroid ids int64 [H, S] of x [H, S, D] among c [H, K, D] (see kmeans.py; Triton may differ from
     torch on near-ties only)."""
-    if kernel_backend(x.device) == "triton":
-        return _triton(x.device).triton_kmeans.kmeans_assign_triton(x, c)
-    return kmeans_assign_torch(x, c)
+    if kernel_backend(a.x.device) == "triton":
+        return _triton(a.x.device).triton_kmeans.kmeans_assign_triton(a)
+    return kmeans_assign_torch(a)
 
 
-def kmeans_update(x, ids, c_old):
+@op_entry(KmeansUpdateArgs)
+def kmeans_update(a: KmeansUpdateArgs):
     """Cluster means float32 [H, K, D] of x [H, S, D] by ids int64 [H, S]; empty clusters keep c_old (see kmeans.py;
     Triton sums in another fixed order: equal within the bound in kernels/kmeans.py)."""
-    if kernel_backend(x.device) == "triton":
+    if kernel_backend(a.x.device) == "triton":
+        ids, k = a.ids, a.c_old.shape[1]
         if debug_checks() and ids.numel():
             lo, hi = int(ids.min()), int(ids.max())
-            if lo < 0 or hi >= c_old.shape[1]:
-                raise IndexError(f"centroid id out of range: {lo}..{hi}, valid 0..{c_old.shape[1] - 1}")
-        return _triton(x.device).triton_kmeans.kmeans_update_triton(x, ids, c_old)
-    return kmeans_update_torch(x, ids, c_old)
+            if lo < 0 or hi >= k:
+                raise IndexError(f"centroid id out of range: {lo}..{hi}, valid 0..{k - 1}")
+        return _triton(a.x.device).triton_kmeans.kmeans_update_triton(a)
+    return kmeans_update_torch(a)
 
 
-def residual_pack(resid, ids, dest, page_idx, slot_idx, fmt) -> None:
+@op_entry(ResidualPackArgs)
+def residual_pack(a: ResidualPackArgs) -> None:
     """Block-quantize PRQ's final residual and write packed records to (page, slot) token slots (see
     residual_pack.py). Same bytes on both backends."""
-    if kernel_backend(dest.device) == "triton":
-        _check_rows(dest, page_idx, slot_idx)
-        _triton(dest.device).triton_residual_pack.residual_pack_triton(resid, ids, dest, page_idx, slot_idx, fmt)
+    if kernel_backend(a.dest.device) == "triton":
+        _check_rows(a.dest, a.page_idx, a.slot_idx)
+        _triton(a.dest.device).triton_residual_pack.residual_pack_triton(a)
     else:
-        residual_pack_torch(resid, ids, dest, page_idx, slot_idx, fmt)
+        residual_pack_torch(a)
 
 
-def view_runs(
-    rows, tokens, codebooks, cb_pages, runs, head_start, out_t, fmt, max_run=None, backend=None, torch_plan=None
-) -> None:
+@op_entry(ViewRunsArgs)
+def view_runs(a: ViewRunsArgs, backend: str | None = None, torch_plan=None) -> None:
     """A whole mixed view from its run table: dense rows copied, packed rows dequantized, zero rows (see
     view_runs.py); K and V of every run in one Triton launch. `tokens`/`codebooks`/`cb_pages`/`fmt` are None for a
     cache without packed segments; `torch_plan`: the torch reference's `runs_torch_plan`, kept by the caller."""
-    if (backend or kernel_backend(out_t.device)) == "triton":
+    if (backend or kernel_backend(a.out_t.device)) == "triton":
         if debug_checks():
-            check_run_values(rows, tokens, codebooks, cb_pages, runs, out_t, fmt, max_run)
-        _triton(out_t.device).triton_view_runs.view_runs_triton(
-            rows, tokens, codebooks, cb_pages, runs, head_start, out_t, fmt, max_run
-        )
+            check_run_values(a)
+        _triton(a.out_t.device).triton_view_runs.view_runs_triton(a)
     else:
-        view_runs_torch(rows, tokens, codebooks, cb_pages, runs, head_start, out_t, fmt, max_run, torch_plan)
+        view_runs_torch(a, torch_plan)

@@ -22,10 +22,13 @@ from __future__ import annotations
 import torch
 
 from ..quant.prq import assign_nearest, update_means
+from .ops import KmeansAssignArgs, KmeansUpdateArgs, op_entry
 
 
-def check_kmeans_assign(x: torch.Tensor, c: torch.Tensor) -> None:
+@op_entry(KmeansAssignArgs)
+def check_kmeans_assign(a: KmeansAssignArgs) -> None:
     """Shape/dtype checks shared by the reference and the Triton launch."""
+    x, c = a.x, a.c
     if x.dim() != 3 or c.dim() != 3 or x.shape[0] != c.shape[0] or x.shape[2] != c.shape[2]:
         raise ValueError(f"x must be [H, S, D] and c [H, K, D], got {tuple(x.shape)} and {tuple(c.shape)}")
     if x.dtype != torch.float32 or c.dtype != torch.float32:
@@ -36,26 +39,30 @@ def check_kmeans_assign(x: torch.Tensor, c: torch.Tensor) -> None:
         raise ValueError("no centroids")
 
 
-def kmeans_assign_torch(x: torch.Tensor, c: torch.Tensor) -> torch.Tensor:
+@op_entry(KmeansAssignArgs)
+def kmeans_assign_torch(a: KmeansAssignArgs) -> torch.Tensor:
     """Reference: `quant.prq.assign_nearest`. x [H, S, D], c [H, K, D] float32 -> int64 [H, S] (nearest centroid
     id)."""
-    check_kmeans_assign(x, c)
-    return assign_nearest(x, c)
+    check_kmeans_assign(a)
+    return assign_nearest(a.x, a.c)
 
 
-def check_kmeans_update(x: torch.Tensor, ids: torch.Tensor, c_old: torch.Tensor) -> None:
+@op_entry(KmeansUpdateArgs)
+def check_kmeans_update(a: KmeansUpdateArgs) -> None:
     """Shape/dtype checks shared by the update reference and the Triton launch (no data is read)."""
-    check_kmeans_assign(x, c_old)
+    x, ids = a.x, a.ids
+    check_kmeans_assign(x, a.c_old)
     if ids.dtype != torch.int64 or tuple(ids.shape) != tuple(x.shape[:2]) or ids.device != x.device:
         raise ValueError(f"ids must be int64 [H, S] = {tuple(x.shape[:2])} on {x.device}, got {ids.dtype} "
                          f"{tuple(ids.shape)} on {ids.device}")  # fmt: skip
 
 
-def kmeans_update_torch(x: torch.Tensor, ids: torch.Tensor, c_old: torch.Tensor) -> torch.Tensor:
+@op_entry(KmeansUpdateArgs)
+def kmeans_update_torch(a: KmeansUpdateArgs) -> torch.Tensor:
     """Reference: `quant.prq.update_means`. Cluster means float32 [H, K, D] of x [H, S, D] grouped by ids int64 [H, S]
     (0..K-1); empty clusters keep `c_old`. Deterministic (one-hot matmuls in a fixed tile order, no atomics)."""
-    check_kmeans_update(x, ids, c_old)
-    return update_means(x, ids, c_old)
+    check_kmeans_update(a)
+    return update_means(a.x, a.ids, a.c_old)
 
 
 def distance_error_bound(x: torch.Tensor, c: torch.Tensor) -> torch.Tensor:

@@ -4,22 +4,17 @@ from __future__ import annotations
 
 import torch
 
+from .ops import PageFillArgs, PageWriteArgs, op_entry
 
-def page_write_torch(
-    rows: torch.Tensor,
-    page_idx: torch.Tensor,
-    slot_idx: torch.Tensor,
-    head_start: int,
-    key: torch.Tensor,
-    value: torch.Tensor,
-    halves: tuple | None = None,
-) -> None:
-    """Reference: `rows[page_idx[kv], slot_idx[kv], head_start:head_start+Hin] = (key, value)[kv]`.
 
-    `rows` is `[num_pages, rows_per_page, H, D]`; `page_idx`/`slot_idx` are `[2, B, n]`; `halves`, when a caller
-    kept it, is `split_halves(page_idx, slot_idx)`. One `index_put_` per K/V half. Exact (a copy).
+@op_entry(PageWriteArgs)
+def page_write_torch(a: PageWriteArgs, halves: tuple | None = None) -> None:
+    """Reference: `rows[page_idx[kv], slot_idx[kv], head_start:head_start+Hin] = (key, value)[kv]` (fields:
+    `ops.PageWriteArgs`); `halves`, when a caller kept it, is `split_halves(page_idx, slot_idx)`. One `index_put_`
+    per K/V half. Exact (a copy).
     """
-    write_halves(head_rows(rows, head_start, key.shape[2]), halves or split_halves(page_idx, slot_idx), key, value)
+    target = head_rows(a.rows, a.head_start, a.key.shape[2])
+    write_halves(target, halves or split_halves(a.page_idx, a.slot_idx), a.key, a.value)
 
 
 def split_halves(page_idx: torch.Tensor, slot_idx: torch.Tensor) -> tuple:
@@ -40,6 +35,8 @@ def write_halves(target: torch.Tensor, halves: tuple, key: torch.Tensor, value: 
     target.index_put_(halves[1], value)
 
 
-def page_fill_torch(rows: torch.Tensor, page_idx: torch.Tensor, slot_idx: torch.Tensor, fill: float = 0.0) -> None:
-    """Reference: set every head of the addressed rows to `fill` (used before a head-sliced append)."""
-    rows.index_put_((page_idx, slot_idx), torch.tensor(fill, dtype=rows.dtype, device=rows.device))
+@op_entry(PageFillArgs)
+def page_fill_torch(a: PageFillArgs) -> None:
+    """Reference: set every head of the addressed rows to `fill` (used before a head-sliced append; fields:
+    `ops.PageFillArgs`)."""
+    a.rows.index_put_((a.page_idx, a.slot_idx), torch.tensor(a.fill, dtype=a.rows.dtype, device=a.rows.device))

@@ -20,21 +20,17 @@ from __future__ import annotations
 
 import torch
 
-from ..quant import PackedFormat, pack_residual_rows
+from ..quant import pack_residual_rows
+from .ops import ResidualPackArgs, op_entry
 
 #: Residual elements packed per step by the torch reference (bounds its fp32 temporaries to a few MiB).
 PACK_TILE_ELEMS = 1 << 20
 
 
-def check_residual_pack(
-    resid: torch.Tensor,
-    ids: torch.Tensor,
-    dest: torch.Tensor,
-    page_idx: torch.Tensor,
-    slot_idx: torch.Tensor,
-    fmt: PackedFormat,
-) -> None:
+@op_entry(ResidualPackArgs)
+def check_residual_pack(a: ResidualPackArgs) -> None:
     """Shape/dtype checks shared by the reference and the Triton launch (no data is read: no device sync)."""
+    resid, ids, dest, page_idx, slot_idx, fmt = a.resid, a.ids, a.dest, a.page_idx, a.slot_idx, a.fmt
     G, D, st = fmt.num_heads, fmt.head_dim, fmt.cfg.stages
     if resid.dtype != torch.float32 or resid.dim() != 3 or resid.shape[0] != G or resid.shape[2] != D:
         raise ValueError(f"resid must be float32 [{G}, S, {D}], got {resid.dtype} {tuple(resid.shape)}")
@@ -54,17 +50,12 @@ def check_residual_pack(
         raise ValueError(f"tensors on several devices: {sorted(map(str, devices))}")
 
 
-def residual_pack_torch(
-    resid: torch.Tensor,
-    ids: torch.Tensor,
-    dest: torch.Tensor,
-    page_idx: torch.Tensor,
-    slot_idx: torch.Tensor,
-    fmt: PackedFormat,
-) -> None:
-    """Reference: `pack_residual_rows` on token tiles, each tile's rows copied to its (page, slot) destinations.
-    Indices are checked first (IndexError naming the range; nothing written)."""
-    check_residual_pack(resid, ids, dest, page_idx, slot_idx, fmt)
+@op_entry(ResidualPackArgs)
+def residual_pack_torch(a: ResidualPackArgs) -> None:
+    """Reference: `pack_residual_rows` on token tiles, each tile's rows copied to its (page, slot) destinations
+    (fields: `ops.ResidualPackArgs`). Indices are checked first (IndexError naming the range; nothing written)."""
+    check_residual_pack(a)
+    resid, ids, dest, page_idx, slot_idx, fmt = a.resid, a.ids, a.dest, a.page_idx, a.slot_idx, a.fmt
     for name, idx, bound in (("page", page_idx, dest.shape[0]), ("slot", slot_idx, dest.shape[1])):
         if idx.numel() and (int(idx.min()) < 0 or int(idx.max()) >= bound):
             raise IndexError(f"{name} index out of range: {int(idx.min())}..{int(idx.max())}, valid 0..{bound - 1}")

@@ -37,6 +37,7 @@ import triton.language as tl
 
 from ..quant import PackedFormat
 from .dequant import check_packed_dequant
+from .ops import PackedDequantArgs, op_entry
 from .triton_common import NUM_WARPS, cdiv, is_interpreted, launch_on_device, tile_for
 
 _RUNTIME = ["num_tokens", "batch", "num_heads", "head_start", "heads", "head_blocks", "cb_rows_per_page"]
@@ -212,24 +213,17 @@ def kernel_codebooks(codebooks: torch.Tensor) -> torch.Tensor:
     return codebooks.view(torch.uint8) if codebooks.dtype == torch.float8_e4m3fn else codebooks
 
 
-def packed_dequant_launch(
-    tokens: torch.Tensor,
-    codebooks: torch.Tensor,
-    pieces: torch.Tensor,
-    cb_pages: torch.Tensor,
-    head_start: int,
-    out_t: torch.Tensor,
-    fmt: PackedFormat,
-    *,
-    block_rows: int | None = None,
-    block_cols: int | None = None,
-):
+@op_entry(PackedDequantArgs)
+def packed_dequant_launch(a: PackedDequantArgs, *, block_rows: int | None = None, block_cols: int | None = None):
     """`(kernel, grid, args, kwargs)` of the packed view build launch, or None when there is nothing to write.
 
     No data is read on the host (the grid uses `min(tokens_per_page, T)` as the bound of a piece's length), so the
     launch never synchronizes with the device.
     """
-    check_packed_dequant(tokens, codebooks, pieces, cb_pages, head_start, out_t, fmt)
+    check_packed_dequant(a)
+    tokens, codebooks, pieces, cb_pages, head_start, out_t, fmt = (
+        a.tokens, a.codebooks, a.pieces, a.cb_pages, a.head_start, a.out_t, a.fmt
+    )  # fmt: skip
     T, _, B, heads, d = out_t.shape
     P = pieces.shape[0]
     if T == 0 or heads == 0 or P == 0:
@@ -254,20 +248,9 @@ def packed_dequant_launch(
     return _packed_dequant_kernel, grid, args, kwargs
 
 
+@op_entry(PackedDequantArgs)
 def packed_dequant_triton(
-    tokens: torch.Tensor,
-    codebooks: torch.Tensor,
-    pieces: torch.Tensor,
-    cb_pages: torch.Tensor,
-    head_start: int,
-    out_t: torch.Tensor,
-    fmt: PackedFormat,
-    *,
-    block_rows: int | None = None,
-    block_cols: int | None = None,
+    a: PackedDequantArgs, *, block_rows: int | None = None, block_cols: int | None = None
 ) -> None:
     """`packed_dequant_torch` in one Triton launch. `block_rows`/`block_cols` override the tile (tests)."""
-    launch = packed_dequant_launch(
-        tokens, codebooks, pieces, cb_pages, head_start, out_t, fmt, block_rows=block_rows, block_cols=block_cols
-    )
-    launch_on_device("packed_dequant", launch)
+    launch_on_device("packed_dequant", packed_dequant_launch(a, block_rows=block_rows, block_cols=block_cols))

@@ -32,6 +32,7 @@ import triton
 import triton.language as tl
 
 from .kmeans import check_kmeans_assign, check_kmeans_update
+from .ops import KmeansAssignArgs, KmeansUpdateArgs, op_entry
 from .triton_common import NUM_WARPS, cdiv, is_interpreted, launch_on_device, next_pow2
 
 _RUNTIME = ["os0", "num_tokens", "num_centroids"]  # os0 = S for a contiguous out
@@ -91,9 +92,11 @@ def _kmeans_assign_kernel(
     tl.store(out_ptr + h * os0 + s * os1, best_id.to(tl.int64), mask=smask)
 
 
-def kmeans_assign_launch(x: torch.Tensor, c: torch.Tensor, out: torch.Tensor):
+@op_entry(KmeansAssignArgs)
+def kmeans_assign_launch(a: KmeansAssignArgs, out: torch.Tensor):
     """`(kernel, grid, args, kwargs)` of the assignment launch into `out` int64 [H, S], or None when S == 0."""
-    check_kmeans_assign(x, c)
+    check_kmeans_assign(a)
+    x, c = a.x, a.c
     H, S, D = x.shape
     if tuple(out.shape) != (H, S) or out.dtype != torch.int64:
         raise ValueError(f"out must be int64 [{H}, {S}], got {out.dtype} {tuple(out.shape)}")
@@ -108,10 +111,11 @@ def kmeans_assign_launch(x: torch.Tensor, c: torch.Tensor, out: torch.Tensor):
     return _kmeans_assign_kernel, grid, args, kwargs
 
 
-def kmeans_assign_triton(x: torch.Tensor, c: torch.Tensor) -> torch.Tensor:
+@op_entry(KmeansAssignArgs)
+def kmeans_assign_triton(a: KmeansAssignArgs) -> torch.Tensor:
     """`kmeans_assign_torch` in one Triton launch: x [H, S, D], c [H, K, D] float32 -> int64 [H, S]."""
-    out = torch.empty(x.shape[0], x.shape[1], dtype=torch.int64, device=x.device)
-    launch = kmeans_assign_launch(x, c, out)
+    out = torch.empty(a.x.shape[0], a.x.shape[1], dtype=torch.int64, device=a.x.device)
+    launch = kmeans_assign_launch(a, out)
     launch_on_device("kmeans_assign", launch)
     return out
 
@@ -148,9 +152,11 @@ def _kmeans_update_kernel(
     tl.store(out_ptr + h * os0 + (k * os1)[:, None] + (d * os2)[None, :], new, mask=mask)
 
 
-def kmeans_update_launch(x: torch.Tensor, ids: torch.Tensor, c_old: torch.Tensor, out: torch.Tensor):
+@op_entry(KmeansUpdateArgs)
+def kmeans_update_launch(a: KmeansUpdateArgs, out: torch.Tensor):
     """`(kernel, grid, args, kwargs)` of the update launch into `out` float32 [H, K, D], or None when H == 0."""
-    check_kmeans_update(x, ids, c_old)
+    check_kmeans_update(a)
+    x, ids, c_old = a.x, a.ids, a.c_old
     if tuple(out.shape) != tuple(c_old.shape) or out.dtype != torch.float32:
         raise ValueError(f"out must be float32 {tuple(c_old.shape)}, got {out.dtype} {tuple(out.shape)}")
     H, S, D = x.shape
@@ -168,9 +174,10 @@ def kmeans_update_launch(x: torch.Tensor, ids: torch.Tensor, c_old: torch.Tensor
     return _kmeans_update_kernel, grid, args, kwargs
 
 
-def kmeans_update_triton(x: torch.Tensor, ids: torch.Tensor, c_old: torch.Tensor) -> torch.Tensor:
+@op_entry(KmeansUpdateArgs)
+def kmeans_update_triton(a: KmeansUpdateArgs) -> torch.Tensor:
     """`kmeans_update_torch` in one Triton launch: float32 [H, K, D] means (empty clusters keep `c_old`)."""
-    out = torch.empty_like(c_old, memory_format=torch.contiguous_format)
-    launch = kmeans_update_launch(x, ids, c_old, out)
+    out = torch.empty_like(a.c_old, memory_format=torch.contiguous_format)
+    launch = kmeans_update_launch(a, out)
     launch_on_device("kmeans_update", launch)
     return out

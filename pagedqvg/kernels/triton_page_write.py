@@ -18,6 +18,7 @@ import torch
 import triton
 import triton.language as tl
 
+from .ops import PageFillArgs, PageWriteArgs, op_entry
 from .triton_common import NUM_WARPS, cdiv, is_interpreted, launch_on_device, tile_for
 from .triton_tile import row_tile
 
@@ -83,18 +84,10 @@ def _check_index(page_idx: torch.Tensor, slot_idx: torch.Tensor, rows: torch.Ten
         raise ValueError(f"row index on {page_idx.device}/{slot_idx.device}, rows on {rows.device}")
 
 
-def page_write_launch(
-    rows: torch.Tensor,
-    page_idx: torch.Tensor,
-    slot_idx: torch.Tensor,
-    head_start: int,
-    key: torch.Tensor,
-    value: torch.Tensor,
-    *,
-    block_rows: int | None = None,
-    block_cols: int | None = None,
-):
+@op_entry(PageWriteArgs)
+def page_write_launch(a: PageWriteArgs, *, block_rows: int | None = None, block_cols: int | None = None):
     """`(kernel, grid, args, kwargs)` of the page write launch, or None when there is nothing to write."""
+    rows, page_idx, slot_idx, head_start, key, value = a.rows, a.page_idx, a.slot_idx, a.head_start, a.key, a.value
     _check_rows(rows)
     _check_index(page_idx, slot_idx, rows)
     if key.shape != value.shape or key.dim() != 4:
@@ -129,22 +122,10 @@ def page_write_launch(
     return _page_write_kernel, grid, args, kwargs
 
 
-def page_write_triton(
-    rows: torch.Tensor,
-    page_idx: torch.Tensor,
-    slot_idx: torch.Tensor,
-    head_start: int,
-    key: torch.Tensor,
-    value: torch.Tensor,
-    *,
-    block_rows: int | None = None,
-    block_cols: int | None = None,
-) -> None:
+@op_entry(PageWriteArgs)
+def page_write_triton(a: PageWriteArgs, *, block_rows: int | None = None, block_cols: int | None = None) -> None:
     """`page_write_torch` in one Triton launch (K and V). `block_rows`/`block_cols` override the tile (tests)."""
-    launch = page_write_launch(
-        rows, page_idx, slot_idx, head_start, key, value, block_rows=block_rows, block_cols=block_cols
-    )
-    launch_on_device("page_write", launch)
+    launch_on_device("page_write", page_write_launch(a, block_rows=block_rows, block_cols=block_cols))
 
 
 _FILL_CACHE: dict[tuple, torch.Tensor] = {}
@@ -162,16 +143,10 @@ def _fill_element(fill: float, dtype: torch.dtype, device: torch.device) -> torc
     return t
 
 
-def page_fill_launch(
-    rows: torch.Tensor,
-    page_idx: torch.Tensor,
-    slot_idx: torch.Tensor,
-    fill: float = 0.0,
-    *,
-    block_rows: int | None = None,
-    block_cols: int | None = None,
-):
+@op_entry(PageFillArgs)
+def page_fill_launch(a: PageFillArgs, *, block_rows: int | None = None, block_cols: int | None = None):
     """`(kernel, grid, args, kwargs)` of the page fill launch, or None when there is nothing to fill."""
+    rows, page_idx, slot_idx, fill = a.rows, a.page_idx, a.slot_idx, a.fill
     _check_rows(rows)
     _check_index(page_idx, slot_idx, rows)
     num_rows = page_idx.numel()
@@ -195,15 +170,7 @@ def page_fill_launch(
     return _page_fill_kernel, grid, args, kwargs
 
 
-def page_fill_triton(
-    rows: torch.Tensor,
-    page_idx: torch.Tensor,
-    slot_idx: torch.Tensor,
-    fill: float = 0.0,
-    *,
-    block_rows: int | None = None,
-    block_cols: int | None = None,
-) -> None:
+@op_entry(PageFillArgs)
+def page_fill_triton(a: PageFillArgs, *, block_rows: int | None = None, block_cols: int | None = None) -> None:
     """`page_fill_torch` in one Triton launch: every head of the addressed rows (any index shape) set to `fill`."""
-    launch = page_fill_launch(rows, page_idx, slot_idx, fill, block_rows=block_rows, block_cols=block_cols)
-    launch_on_device("page_fill", launch)
+    launch_on_device("page_fill", page_fill_launch(a, block_rows=block_rows, block_cols=block_cols))

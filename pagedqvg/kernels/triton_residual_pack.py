@@ -28,12 +28,11 @@ token count is runtime and not specialized on (one compile per layer format).
 
 from __future__ import annotations
 
-import torch
 import triton
 import triton.language as tl
 
-from ..quant import PackedFormat
 from ..quant.prq import FIT_ONE, FIT_STEPS
+from .ops import ResidualPackArgs, op_entry
 from .residual_pack import check_residual_pack
 from .triton_common import NUM_WARPS, cdiv, is_interpreted, launch_on_device, next_pow2
 from .triton_dequant import code_kind
@@ -176,19 +175,12 @@ def _residual_pack_kernel(
     tl.store(rec[:, None] + j[None, :], acc.to(tl.uint8), mask=rmask[:, None] & (j < CODE_BYTES)[None, :])
 
 
-def residual_pack_launch(
-    resid: torch.Tensor,
-    ids: torch.Tensor,
-    dest: torch.Tensor,
-    page_idx: torch.Tensor,
-    slot_idx: torch.Tensor,
-    fmt: PackedFormat,
-    *,
-    block_rows: int | None = None,
-):
+@op_entry(ResidualPackArgs)
+def residual_pack_launch(a: ResidualPackArgs, *, block_rows: int | None = None):
     """`(kernel, grid, args, kwargs)` of the residual pack launch, or None when there is nothing to write.
     `block_rows` overrides the tokens per program (tests: the compiled tile in the interpreter)."""
-    check_residual_pack(resid, ids, dest, page_idx, slot_idx, fmt)
+    check_residual_pack(a)
+    resid, ids, dest, page_idx, slot_idx, fmt = a.resid, a.ids, a.dest, a.page_idx, a.slot_idx, a.fmt
     G, S, D = resid.shape
     if S == 0:
         return None
@@ -216,16 +208,7 @@ def residual_pack_launch(
     return _residual_pack_kernel, grid, args, kwargs
 
 
-def residual_pack_triton(
-    resid: torch.Tensor,
-    ids: torch.Tensor,
-    dest: torch.Tensor,
-    page_idx: torch.Tensor,
-    slot_idx: torch.Tensor,
-    fmt: PackedFormat,
-    *,
-    block_rows: int | None = None,
-) -> None:
+@op_entry(ResidualPackArgs)
+def residual_pack_triton(a: ResidualPackArgs, *, block_rows: int | None = None) -> None:
     """`residual_pack_torch` in one Triton launch (`block_rows`: see `residual_pack_launch`)."""
-    launch = residual_pack_launch(resid, ids, dest, page_idx, slot_idx, fmt, block_rows=block_rows)
-    launch_on_device("residual_pack", launch)
+    launch_on_device("residual_pack", residual_pack_launch(a, block_rows=block_rows))

@@ -22,6 +22,7 @@ import torch
 import triton
 import triton.language as tl
 
+from .ops import ViewBuildArgs, op_entry
 from .triton_common import NUM_WARPS, cdiv, is_interpreted, launch_on_device, tile_for
 from .triton_tile import row_tile
 
@@ -52,18 +53,12 @@ def _view_build_kernel(
     tl.store(dst, vals, mask=mask)
 
 
-def view_build_launch(
-    rows: torch.Tensor,
-    page_idx: torch.Tensor,
-    slot_idx: torch.Tensor,
-    head_start: int,
-    num_heads: int,
-    out: torch.Tensor,
-    *,
-    block_rows: int | None = None,
-    block_cols: int | None = None,
-):
+@op_entry(ViewBuildArgs)
+def view_build_launch(a: ViewBuildArgs, *, block_rows: int | None = None, block_cols: int | None = None):
     """`(kernel, grid, args, kwargs)` of the view build launch, or None when the view is empty."""
+    rows, page_idx, slot_idx, head_start, num_heads, out = (
+        a.rows, a.page_idx, a.slot_idx, a.head_start, a.num_heads, a.out
+    )  # fmt: skip
     if rows.dim() != 4:
         raise ValueError(f"rows must be [num_pages, rows_per_page, H, D], got shape {tuple(rows.shape)}")
     if page_idx.shape != slot_idx.shape or page_idx.dim() != 3 or page_idx.shape[0] != 2:
@@ -107,20 +102,10 @@ def kernels_interpreted() -> bool:
     return is_interpreted(_view_build_kernel)
 
 
+@op_entry(ViewBuildArgs)
 def view_build_triton(
-    rows: torch.Tensor,
-    page_idx: torch.Tensor,
-    slot_idx: torch.Tensor,
-    head_start: int,
-    num_heads: int,
-    out: torch.Tensor,
-    *,
-    block_rows: int | None = None,
-    block_cols: int | None = None,
+    a: ViewBuildArgs, *, block_rows: int | None = None, block_cols: int | None = None
 ) -> torch.Tensor:
     """`view_build_torch` in one Triton launch (K and V). `block_rows`/`block_cols` override the tile (tests)."""
-    launch = view_build_launch(
-        rows, page_idx, slot_idx, head_start, num_heads, out, block_rows=block_rows, block_cols=block_cols
-    )
-    launch_on_device("view_build", launch)
-    return out
+    launch_on_device("view_build", view_build_launch(a, block_rows=block_rows, block_cols=block_cols))
+    return a.out

@@ -27,11 +27,10 @@ on: one compile per layer shape.
 
 from __future__ import annotations
 
-import torch
 import triton
 import triton.language as tl
 
-from ..quant import PackedFormat
+from .ops import ViewRunsArgs, op_entry
 from .triton_common import CUDA_GRID_MAX, NUM_WARPS, GridLimitError, cdiv, is_interpreted, launch_on_device, tile_for
 from .triton_dequant import OUT_KIND, format_constants, kernel_codebooks, packed_tile
 from .view_runs import RUN_COLUMNS, check_view_runs
@@ -105,26 +104,17 @@ _NO_FORMAT = dict(CODE_KIND=0, ASYM=False, QMAX=0, BLOCK_SIZE=1, STAGES=1, PER_H
                   ZEROS_OFFSET=0, IDS_OFFSET=0, CB_FP8=False)  # fmt: skip
 
 
-def view_runs_launch(
-    rows: torch.Tensor,
-    tokens: torch.Tensor | None,
-    codebooks: torch.Tensor | None,
-    cb_pages: torch.Tensor | None,
-    runs: torch.Tensor,
-    head_start: int,
-    out_t: torch.Tensor,
-    fmt: PackedFormat | None,
-    *,
-    max_run: int | None = None,
-    block_rows: int | None = None,
-    block_cols: int | None = None,
-):
+@op_entry(ViewRunsArgs)
+def view_runs_launch(a: ViewRunsArgs, *, block_rows: int | None = None, block_cols: int | None = None):
     """`(kernel, grid, args, kwargs)` of the mixed view build launch, or None when there is nothing to write.
 
     `max_run`: an upper bound of every run's count (None: T). No data is read on the host: the launch never
     synchronizes with the device.
     """
-    check_view_runs(rows, tokens, codebooks, cb_pages, runs, head_start, out_t, fmt)
+    check_view_runs(a)
+    rows, tokens, codebooks, cb_pages, runs, head_start, out_t, fmt, max_run = (
+        a.rows, a.tokens, a.codebooks, a.cb_pages, a.runs, a.head_start, a.out_t, a.fmt, a.max_run
+    )  # fmt: skip
     if max_run is not None and max_run < 0:
         raise ValueError(f"max_run must be >= 0 or None, got {max_run}")
     T, _, B, heads, d = out_t.shape
@@ -166,23 +156,7 @@ def view_runs_launch(
     return _view_runs_kernel, grid, args, kwargs
 
 
-def view_runs_triton(
-    rows: torch.Tensor,
-    tokens: torch.Tensor | None,
-    codebooks: torch.Tensor | None,
-    cb_pages: torch.Tensor | None,
-    runs: torch.Tensor,
-    head_start: int,
-    out_t: torch.Tensor,
-    fmt: PackedFormat | None,
-    max_run: int | None = None,
-    *,
-    block_rows: int | None = None,
-    block_cols: int | None = None,
-) -> None:
+@op_entry(ViewRunsArgs)
+def view_runs_triton(a: ViewRunsArgs, *, block_rows: int | None = None, block_cols: int | None = None) -> None:
     """`view_runs_torch` in one Triton launch. `block_rows`/`block_cols` override the tile (tests)."""
-    launch = view_runs_launch(
-        rows, tokens, codebooks, cb_pages, runs, head_start, out_t, fmt,
-        max_run=max_run, block_rows=block_rows, block_cols=block_cols,
-    )  # fmt: skip
-    launch_on_device("view_runs", launch)
+    launch_on_device("view_runs", view_runs_launch(a, block_rows=block_rows, block_cols=block_cols))

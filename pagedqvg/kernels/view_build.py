@@ -5,6 +5,7 @@ from __future__ import annotations
 import torch
 
 from ..debug import debug_checks
+from .ops import ViewBuildArgs, op_entry
 from .rows import check_row_index, coalesce_units, row_units, rows_index_units
 
 
@@ -38,29 +39,24 @@ def gather_rows(source: torch.Tensor, index: torch.Tensor, out: torch.Tensor) ->
     return out
 
 
-def view_build_torch(
-    rows: torch.Tensor,
-    page_idx: torch.Tensor,
-    slot_idx: torch.Tensor,
-    head_start: int,
-    num_heads: int,
-    out: torch.Tensor,
-    gather: tuple[torch.Tensor, torch.Tensor] | None = None,
-) -> torch.Tensor:
-    """Reference: `out[kv, b, t] = rows[page_idx[kv, b, t], slot_idx[kv, b, t], head_start:head_start+num_heads]`.
+@op_entry(ViewBuildArgs)
+def view_build_torch(a: ViewBuildArgs, gather: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
+    """Reference: `out[kv, b, t] = rows[page_idx[kv, b, t], slot_idx[kv, b, t], head_start:head_start+num_heads]`
+    (fields: `ops.ViewBuildArgs`).
 
-    `rows` is `[num_pages, rows_per_page, H, D]`; `page_idx`/`slot_idx` are `[2, B, T]` (any equal shapes: `out`
-    is `[*shape, num_heads, D]`); IndexError for an index outside `rows` (under the debug switch, `pagedqvg.debug`:
-    the check reads the indices). One gather: `gather_plan` (an `index_select` of whole row units: `rows.row_units`;
-    blocks of consecutive units coalesced by `rows.coalesce_units`, so rows that sit together in a page are one
-    copy), then `gather_rows` into `out`. Exact (a copy). A caller that repeats a view passes the `gather_plan` of
-    these arguments it kept (`gather`): the call is then one `index_select`.
+    `page_idx`/`slot_idx` may be any equal shapes (`out` is `[*shape, num_heads, D]`); IndexError for an index
+    outside `rows` (under the debug switch, `pagedqvg.debug`: the check reads the indices). One gather:
+    `gather_plan` (an `index_select` of whole row units: `rows.row_units`; blocks of consecutive units coalesced by
+    `rows.coalesce_units`, so rows that sit together in a page are one copy), then `gather_rows` into `out`. Exact
+    (a copy). A caller that repeats a view passes the `gather_plan` of these arguments it kept (`gather`): the call
+    is then one `index_select`.
     """
+    rows, page_idx, slot_idx, out = a.rows, a.page_idx, a.slot_idx, a.out
     if debug_checks():
         check_row_index(rows, page_idx, slot_idx)
-    plan = gather if gather is not None else gather_plan(rows, page_idx, slot_idx, head_start, num_heads)
+    plan = gather if gather is not None else gather_plan(rows, page_idx, slot_idx, a.head_start, a.num_heads)
     if plan is None:  # heads not contiguous in a row: an indexed access per element
-        source = rows[:, :, head_start : head_start + num_heads]
+        source = rows[:, :, a.head_start : a.head_start + a.num_heads]
         torch.ops.aten.index.Tensor_out(source, [page_idx, slot_idx], out=out)
         return out
     return gather_rows(*plan, out)

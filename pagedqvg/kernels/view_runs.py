@@ -31,8 +31,8 @@ import torch
 
 from ..debug import debug_checks
 from ..layout import page_pieces
-from ..quant import PackedFormat
 from .dequant import check_packed_dequant, packed_dequant_torch, piece_tokens
+from .ops import PackedDequantArgs, ViewRunsArgs, op_entry
 from .view_build import gather_plan, view_build_torch
 
 DENSE, PACKED, ZERO = 0, 1, 2
@@ -86,19 +86,14 @@ def zero_runs(out_row: int, count: int, cap: int | None = None) -> list[tuple[in
     return [(ZERO, 0, 0, min(step, count - x), out_row + x, 0) for x in range(0, max(0, count), max(1, step))]
 
 
-def check_view_runs(
-    rows: torch.Tensor,
-    tokens: torch.Tensor | None,
-    codebooks: torch.Tensor | None,
-    cb_pages: torch.Tensor | None,
-    runs: torch.Tensor,
-    head_start: int,
-    out_t: torch.Tensor,
-    fmt: PackedFormat | None,
-) -> None:
+@op_entry(ViewRunsArgs)
+def check_view_runs(a: ViewRunsArgs) -> None:
     """Shape/dtype checks shared by the reference and the Triton launch (no data is read: no device sync).
 
     `tokens`, `codebooks`, `cb_pages` and `fmt` are all given (a quantized cache) or all None (no packed runs)."""
+    rows, tokens, codebooks, cb_pages, runs, head_start, out_t, fmt = (
+        a.rows, a.tokens, a.codebooks, a.cb_pages, a.runs, a.head_start, a.out_t, a.fmt
+    )  # fmt: skip
     if rows.dim() != 4:
         raise ValueError(f"rows must be [num_pages, rows_per_page, H, D], got shape {tuple(rows.shape)}")
     if runs.dtype != torch.int64 or runs.dim() != 2 or runs.shape[1] != RUN_COLUMNS:
@@ -127,23 +122,18 @@ def check_view_runs(
     if fmt.num_heads != rows.shape[2] or fmt.dtype != rows.dtype:
         raise ValueError(f"format of {fmt.num_heads} heads of {fmt.dtype} does not match the rows' {rows.shape[2]} "
                          f"heads of {rows.dtype}")  # fmt: skip
-    check_packed_dequant(tokens, codebooks, runs[:, 1:], cb_pages, head_start, out_t, fmt)
+    check_packed_dequant(PackedDequantArgs(tokens, codebooks, runs[:, 1:], cb_pages, head_start, out_t, fmt))
     if rows.device != out_t.device:
         raise ValueError(f"tensors on several devices: {sorted({str(rows.device), str(out_t.device)})}")
 
 
-def check_run_values(
-    rows: torch.Tensor,
-    tokens: torch.Tensor | None,
-    codebooks: torch.Tensor | None,
-    cb_pages: torch.Tensor | None,
-    runs: torch.Tensor,
-    out_t: torch.Tensor,
-    fmt: PackedFormat | None = None,
-    max_run: int | None = None,
-) -> None:
+@op_entry(ViewRunsArgs)
+def check_run_values(a: ViewRunsArgs) -> None:
     """Checks of the table's values (reads it: a device sync). ValueError for a bad kind or count, IndexError for a
     page, slot, output row or codebook page out of range; each names the offending run."""
+    rows, tokens, codebooks, cb_pages, runs, out_t, fmt, max_run = (
+        a.rows, a.tokens, a.codebooks, a.cb_pages, a.runs, a.out_t, a.fmt, a.max_run
+    )  # fmt: skip
     if runs.numel() == 0:
         return
     table = runs.cpu()
@@ -184,27 +174,18 @@ def check_run_values(
         raise IndexError(f"codebook page out of range: {cbp.tolist()} (pages: {codebooks.shape[0]})")
 
 
-def view_runs_torch(
-    rows: torch.Tensor,
-    tokens: torch.Tensor | None,
-    codebooks: torch.Tensor | None,
-    cb_pages: torch.Tensor | None,
-    runs: torch.Tensor,
-    head_start: int,
-    out_t: torch.Tensor,
-    fmt: PackedFormat | None,
-    max_run: int | None = None,
-    plan: RunsTorchPlan | None = None,
-) -> None:
+@op_entry(ViewRunsArgs)
+def view_runs_torch(a: ViewRunsArgs, plan: RunsTorchPlan | None = None) -> None:
     """Reference: the dense runs' rows in one gather (`view_build_torch` on their row index) and one `index_copy_`
     into their output rows, the zero runs' rows in one `index_fill_`, all packed runs through `packed_dequant_torch`.
     The table's values are range-checked (`check_run_values`, a host read) under the debug switch only
     (`pagedqvg.debug`); its shape always. `plan`: the `runs_torch_plan` of these arguments, kept by a caller that
-    repeats the view (the row expansion then costs nothing per call).
+    repeats the view (the row expansion then costs nothing per call). Fields: `ops.ViewRunsArgs`.
     """
-    check_view_runs(rows, tokens, codebooks, cb_pages, runs, head_start, out_t, fmt)
+    check_view_runs(a)
     if debug_checks():
-        check_run_values(rows, tokens, codebooks, cb_pages, runs, out_t, fmt, max_run)
+        check_run_values(a)
+    rows, runs, head_start, out_t = a.rows, a.runs, a.head_start, a.out_t
     B, heads = out_t.shape[2], out_t.shape[3]
     if plan is None:
         plan = runs_torch_plan(rows, runs, head_start, heads, B)
@@ -217,7 +198,7 @@ def view_runs_torch(
     if plan.zero_out is not None:
         out_t.index_fill_(0, plan.zero_out, 0)
     if plan.pieces is not None:
-        packed_dequant_torch(tokens, codebooks, plan.pieces, cb_pages, head_start, out_t, fmt)  # type: ignore[arg-type]
+        packed_dequant_torch(a.tokens, a.codebooks, plan.pieces, a.cb_pages, head_start, out_t, a.fmt)
 
 
 @dataclass(frozen=True, slots=True)
