@@ -156,7 +156,18 @@ _QUANT_FLAGS: tuple[tuple[str, str, dict], ...] = (
     ("--kv-cache-quant-keep-recent", "completed chunks kept dense, in the cache dtype (default 1)", {}),
     ("--kv-cache-quant-sink-keep", "sink chunks kept dense when the sink is packed (default 0)", {}),
     ("--kv-cache-quant-asymmetric", "per-block scale and zero (default false)", {"nargs": "?", "const": "true"}),
-    ("--kv-cache-quant-sink", "pack sink chunks too (default true)", {"nargs": "?", "const": "true"}),
+    (
+        "--kv-cache-quant-sink",
+        "sink chunks' format: true (packed like the history, the default), false or bf16 (kept dense), or a tier "
+        "format int4, int2, compact, fp8 (fp8 e4m3 with power-of-two scales per 32 channels)",
+        {"nargs": "?", "const": "true"},
+    ),
+    (
+        "--kv-cache-quant-recent",
+        "format of the --kv-cache-quant-keep-recent chunks: bf16 (dense, default), fp8, int4, int2 or compact, no "
+        "coarser than --kv-cache-quant (the history's); a chunk leaving the recent tier is repacked",
+        {"choices": ("bf16", "fp8", "int4", "int2", "compact")},
+    ),
     ("--kv-cache-quant-seed", "k-means seed (default 1234)", {}),
     (
         "--kv-cache-quant-pack-trits",
