@@ -42,6 +42,7 @@ from .presets import (
     shape_text,
 )
 from .quant.config import SGLANG_KEYS, QuantConfig
+from .tiers import tier_summary, tier_used_bytes
 from .validation import DTYPES_BY_NAME, PAGE_ALIGN_BYTES, check_int
 
 PLAN_SCHEMA = "pagedqvg.plan/2"
@@ -609,6 +610,20 @@ def resolve_budget(args: argparse.Namespace, w: Workload) -> dict[str, object] |
     }
 
 
+def _tier_doc(g: Geometry) -> dict[str, object]:
+    """Formats by age of one setting: each role's format and steady-state bytes (rows, codebooks included, no page
+    rounding) per layer and for all caches (`pagedqvg.tiers`)."""
+    per = tier_used_bytes(g)
+    formats = {role: ("bf16" if role == "current" else g.quant.tier_format(role)) for role in per}
+    return {"formats": formats, "bytes_per_layer": per, "bytes_all_layers": {r: b * g.caches for r, b in per.items()},
+            "summary": tier_summary(g)}  # fmt: skip
+
+
+def _tier_lines(settings: list) -> list[str]:
+    """One line per packed setting: its tiers' formats and bytes for all caches."""
+    return [f"  tiers of paged {s['mode']}: {s['tiers']['summary']}" for s in settings if s["mode"] != "off"]
+
+
 def build_plan(
     w: Workload, budget: dict[str, object] | int | None = None, budget_source: str = ""
 ) -> dict[str, object]:
@@ -652,6 +667,7 @@ def build_plan(
         d["quant"] = quant_as_dict(g.quant)
         d["page_auto"] = g.page_choice is not None
         d["page_waste_by_kind"] = dict(g.page_choice.waste) if g.page_choice is not None else None
+        d["tiers"] = _tier_doc(g)
         doc["settings"].append(d)  # type: ignore[union-attr]
     if budget is not None:
         doc["budget"] = {**budget, "fits": _budget_fits(w, int(budget["bytes"]), str(budget["source"]))}
@@ -758,6 +774,7 @@ def format_plan(doc: dict[str, object]) -> str:
         if s["mode"] == "compact" and block is not None and block != COMPACT_BLOCK:
             why = " (head_dim below 128: one fitted scale per token-head)" if block == w["head_dim"] else ""
             lines.append(f"  paged compact: blocks of {block} channels per fitted scale{why}")
+    lines += _tier_lines(settings)
     view = settings[0]
     lines += [
         "",

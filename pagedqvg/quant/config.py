@@ -356,6 +356,12 @@ class QuantConfig:
         return cls(**kwargs)
 
 
+def format_rank(name: str) -> int:
+    """Precision rank of a tier format (bf16 4, fp8 3, int4 2, int2 and compact 1): a chunk only ever moves to a
+    format of lower rank (aging), never back up."""
+    return _FORMAT_RANK[name]
+
+
 def _validate_tier_head_dim(tier: str, q: QuantConfig, head_dim: int) -> None:
     """A derived tier config's block must divide `head_dim` (compact's 128-channel block needs head_dim % 128 == 0)."""
     try:
