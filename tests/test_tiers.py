@@ -124,3 +124,13 @@ def test_plan_reports_bytes_per_tier(capsys) -> None:
     assert main(["plan", "--kv-cache-quant", "int2", "--kv-cache-quant-recent", "int4"]) == 0
     out = capsys.readouterr().out
     assert "tiers of paged int2: sink int2 x1 0.59 GiB, history int2 x4 2.34 GiB, recent int4 x1 1.03 GiB" in out
+
+
+def test_recommended_tiers_per_preset() -> None:
+    from pagedqvg.presets import RECOMMENDED_TIERS, get_preset
+
+    for name, q in RECOMMENDED_TIERS.items():
+        w = get_preset(name)
+        tiered = tier_used_bytes(Geometry.from_workload(w.replace(quant=q)))
+        int2 = tier_used_bytes(Geometry.from_workload(w.replace(quant=QuantConfig(bits=2))))
+        assert q.tiered and sum(tiered.values()) < sum(int2.values()), name
