@@ -20,6 +20,10 @@ import types
 STUBBED = frozenset(
     [
         "IPython",
+        "httpx",
+        "uvloop",
+        "fastapi",
+        "uvicorn",
         "imageio_ffmpeg",
         "aiohttp",
         "PIL",

@@ -132,7 +132,7 @@ def parse_quant(env: Mapping[str, str]) -> dict[str, str] | None:
             QuantConfig.from_dict({**({} if key == "kv_cache_quant" else quant), key: given[variable]})
         except ValueError as exc:
             flags = ", ".join("PAGEDQVG_" + k.upper() for k in QuantConfig.known_keys() if k.startswith("kv_"))
-            raise PluginConfigError(f"{variable}={given[variable]!r}: {exc} (variables: {flags})") from None
+            raise PluginConfigError(f"{variable}={given[variable]!r}: {exc}; valid variables: {flags}") from None
         quant[key] = given[variable]
     return quant
 
