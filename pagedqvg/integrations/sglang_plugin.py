@@ -53,6 +53,8 @@ HOOK_TARGETS = (
     f"{_STAGES}.model_specific_stages.lingbot_world.lingbot_world_causal_denoising."
     "LingBotWorldCausalDMDDenoisingStage._allocate_causal_kv_cache",
 )
+#: Resolved from its module after hook application in every SGLang worker (worker_bootstrap.py).
+WORKER_TARGET = "sglang.multimodal_gen.runtime.managers.gpu_worker.run_scheduler_process"
 _UNITS = {"": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12}
 _UNITS.update({"kib": 1 << 10, "mib": 1 << 20, "gib": 1 << 30, "tib": 1 << 40})
 _SIZE_FORMS = "bytes (e.g. 25769803776) or a number with a unit B, KB, MB, GB, TB, KiB, MiB, GiB, TiB (e.g. 24GiB)"
@@ -211,6 +213,18 @@ def _announce_first_caches(stage: Any, caches: list) -> None:
     )
 
 
+def _require_hooks_applied(*args: Any, **kwargs: Any) -> None:
+    """BEFORE hook on the worker's `run_scheduler_process`: SGLang logs and skips a hook it cannot apply; a worker
+    whose allocation hooks did not apply would run on SGLang's dense caches, so it stops instead."""
+    from sglang.multimodal_gen.runtime.platforms.plugins import HookRegistry
+
+    missing = [t for t in HOOK_TARGETS if t not in HookRegistry._patched]
+    if missing:
+        message = f"pagedqvg: SGLang could not apply the hooks on {missing} (see its log); set {ENV_SWITCH}=off to run"
+        _say(logging.ERROR, message + " without pagedqvg")
+        raise SystemExit(message + " without pagedqvg")
+
+
 def register() -> None:
     """The entry point SGLang's `load_plugins()` calls once per process: read the variables, register the hooks,
     log one line. A bad value or another SGLang version raises SystemExit with the message (see module doc)."""
@@ -233,6 +247,7 @@ def register() -> None:
     )
     plugin_hook(HOOK_TARGETS[0], HookType.AROUND)(integ.allocate_around)
     plugin_hook(HOOK_TARGETS[1], HookType.AROUND)(integ.lingbot_allocate_around)
+    plugin_hook(WORKER_TARGET, HookType.BEFORE)(_require_hooks_applied)
     if _announce_first_caches not in integ._cache_listeners:
         integ._cache_listeners.append(_announce_first_caches)
     targets = ", ".join(t.rsplit(".", 2)[-2] + "." + t.rsplit(".", 1)[-1] for t in HOOK_TARGETS)
