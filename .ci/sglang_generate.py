@@ -1,7 +1,7 @@
 """One SGLang 0.5.23 `DiffGenerator.from_pretrained(<dir>)` run over the tiny LongLive2 directory, in this fresh
 interpreter (the launching process); SGLang spawns its worker. Saves the samples and reports, as one JSON line on
-stdout, whether this launching process imported pagedqvg (it must not: pagedqvg runs in the worker, from its entry
-point, whose hooks resolve only there... see sglang_runtime.py for the exact claim).
+stdout, the times and what pagedqvg built in this launching process: nothing (SGLang runs the entry point here too,
+which registers the hooks, but the caches and the pool are built in the spawned worker only).
 
 Usage: python .ci/sglang_generate.py MODEL_DIR OUT.pt
 """
@@ -41,8 +41,10 @@ def main(model_dir: str, out: str) -> None:
         raise SystemExit("sglang_generate: DiffGenerator.generate returned None (the request failed; see the log)")
     samples = result.samples if not isinstance(result, list) else result[0].samples
     torch.save(samples, out)
+    integ = sys.modules.get("pagedqvg.integrations.sglang")
+    pools = list(integ._pools.values()) if integ is not None else []
     report = {
-        "launcher_imported_pagedqvg": sorted(m for m in sys.modules if m == "pagedqvg" or m.startswith("pagedqvg.")),
+        "launcher": {"pools": len(pools), "caches": sum(p._owner_serial for p in pools)},
         "samples_shape": list(samples.shape),
         "load_s": round(t1 - t0, 1),
         "generate_s": round(t2 - t1, 1),
