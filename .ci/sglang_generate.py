@@ -40,6 +40,7 @@ def main(model_dir: str, out: str) -> None:
     if result is None:
         raise SystemExit("sglang_generate: DiffGenerator.generate returned None (the request failed; see the log)")
     samples = result.samples if not isinstance(result, list) else result[0].samples
+    samples = torch.as_tensor(samples)  # the decoded frames SGLang returns: uint8 [frames, height, width, 3]
     torch.save(samples, out)
     integ = sys.modules.get("pagedqvg.integrations.sglang")
     pools = list(integ._pools.values()) if integ is not None else []
