@@ -8,7 +8,8 @@
 (b) DiffGenerator.from_pretrained(<tiny LongLive2 dir>) with pagedqvg active vs excluded: samples torch.equal,
     the worker's log shows pagedqvg's caches and pool, the launching process built no pagedqvg cache or pool;
 (c) the same with PAGEDQVG_KV_CACHE_QUANT=int2 (2 centroids: chunks of 8 tokens pack): samples differ from the
-    dense run by a relative error below REL_ERR_BOUND.
+    dense run by a relative error below REL_ERR_BOUND (measured 0.0078 on the decoded uint8 frames, 2026-12-01).
+The load_plugins() probes run 3 at a time (each a fresh interpreter; most of their time is importing SGLang).
 
 Usage: python .ci/sglang_runtime.py WORKDIR [plugins|generate|all]
 """
@@ -23,7 +24,7 @@ import time
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 #: (c)'s bound on ||int2 - dense|| / ||dense|| over the decoded samples (measured value printed by the run).
-REL_ERR_BOUND = 0.5
+REL_ERR_BOUND = 0.05
 
 PROBE = """
 import json, sys
@@ -74,31 +75,42 @@ def probe(env: dict[str, str]) -> tuple[dict, subprocess.CompletedProcess]:
 
 
 def plugin_cases() -> None:
-    proc = run([sys.executable, "-c", DISCOVER], {})
+    from concurrent.futures import ThreadPoolExecutor
+
+    envs = [
+        {},
+        {"PAGEDQVG": "off", "PAGEDQVG_BUDGET": "64MiB"},
+        {"PAGEDQVG_BUDGET": "64MiB", "SGLANG_PLUGINS": "ci_cpu_ops"},
+        {"PAGEDQVG_BUDGET": "64MiB"},
+        *(env for env, _ in BAD_VALUES),
+    ]
+    with ThreadPoolExecutor(3) as ex:
+        discovered = ex.submit(run, [sys.executable, "-c", DISCOVER], {})
+        probes = list(ex.map(probe, envs))
+    proc = discovered.result()
     check(
         proc.returncode == 0 and "pagedqvg.integrations.sglang_plugin:register pagedqvg" in proc.stdout,
         f"(a) entry point discovered from the installed distribution: {proc.stdout.strip()}",
         proc,
     )
-    got, proc = probe({})
+    (got, proc), *probes = probes
     check(
         got == {"hooked": False, "pagedqvg_imported": True}
         and "not active: no budget: set PAGEDQVG_BUDGET" in proc.stderr,
         "(d) variables unset: inactive, logs how to enable, nothing hooked",
         proc,
     )
-    got, proc = probe({"PAGEDQVG": "off", "PAGEDQVG_BUDGET": "64MiB"})
+    (got, proc), *probes = probes
     check(got.get("hooked") is False and "PAGEDQVG=off" in proc.stderr, "(d) PAGEDQVG=off: nothing hooked", proc)
-    got, proc = probe({"PAGEDQVG_BUDGET": "64MiB", "SGLANG_PLUGINS": "ci_cpu_ops"})
+    (got, proc), *probes = probes
     check(
         got == {"hooked": False, "pagedqvg_imported": False},
         "(d) SGLANG_PLUGINS without pagedqvg: skipped by SGLang, pagedqvg never imported, nothing hooked",
         proc,
     )
-    got, proc = probe({"PAGEDQVG_BUDGET": "64MiB"})
+    (got, proc), *probes = probes
     check(got.get("hooked") is True and "pagedqvg: active" in proc.stderr, "(d) PAGEDQVG_BUDGET=64MiB: hooked", proc)
-    for env, fragment in BAD_VALUES:
-        got, proc = probe(env)
+    for (env, fragment), (got, proc) in zip(BAD_VALUES, probes, strict=True):
         check(
             proc.returncode != 0 and not got and fragment in proc.stderr and "valid" in proc.stderr,
             f"(d) {env}: the process stops with the message ({fragment!r})",
