@@ -184,3 +184,21 @@ def test_a_changed_signature_is_refused(configured):
 
     with pytest.raises(IntegrationError, match=r"num_heads.*sglang==0\.5\.23"):
         integ.allocate_around(changed, _Stage(), **ARGS)
+
+
+def test_a_worker_whose_hooks_sglang_did_not_apply_stops(monkeypatch):
+    """SGLang logs and skips a hook it cannot apply; the BEFORE hook on the worker's run_scheduler_process stops the
+    worker then instead of letting it run on SGLang's dense caches."""
+    import sys
+    import types
+
+    name = "sglang.multimodal_gen.runtime.platforms.plugins"
+    parts = name.split(".")
+    for i in range(1, len(parts) + 1):
+        monkeypatch.setitem(sys.modules, ".".join(parts[:i]), types.ModuleType(".".join(parts[:i])))
+    registry = type("HookRegistry", (), {"_patched": {plugin.HOOK_TARGETS[0]}})
+    sys.modules[name].HookRegistry = registry
+    with pytest.raises(SystemExit, match=r"could not apply the hooks on .*LingBotWorld.*PAGEDQVG=off"):
+        plugin._require_hooks_applied("spec")
+    registry._patched = set(plugin.HOOK_TARGETS)
+    assert plugin._require_hooks_applied("spec") is None
