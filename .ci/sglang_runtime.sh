@@ -25,12 +25,12 @@ trap cleanup EXIT
 "$PYTHON" -m pip install -q torch==2.13.0 'sglang==0.5.23' --no-deps
 "$PYTHON" -m pip install -q torch==2.13.0 addict pyzmq setproctitle python-dateutil msgspec einops psutil openai \
   diffusers 'transformers==5.19.*' tokenizers safetensors
-"$PYTHON" -m pip install -q --no-deps --no-build-isolation "$repo/.ci/sglang_ci_cpu_ops" "$repo"
+"$PYTHON" -m pip install -q --no-deps "$repo/.ci/sglang_ci_cpu_ops" "$repo"
 echo "import sys; sys.path.append('$repo/.ci'); import sglang_placeholders" > "$pth"
 echo "sglang_runtime: installed in $(( $(date +%s) - start )) s"
 
 cd "$work"  # not the repo: pagedqvg must come from the installed distribution
 TORCHDYNAMO_DISABLE=1 "$PYTHON" "$repo/.ci/sglang_runtime.py" "$work" "${1:-all}"
 # Leave the CI venv's pagedqvg editable again (the README's test command installed it so).
-"$PYTHON" -m pip install -q --no-deps --no-build-isolation -e "$repo"
+"$PYTHON" -m pip install -q --no-deps -e "$repo"
 echo "sglang_runtime: done in $(( $(date +%s) - start )) s"
