@@ -17,6 +17,7 @@ from typing import NamedTuple
 import torch
 
 from .allocator import BlockPool, RangeEntry
+from .attention import attend_pages, check_query
 from .cache_args import check_device, check_kv, check_quant, cursor_tensors, dense_layout, packed_store, recent_window
 from .cache_packing import ChunkPacker
 from .errors import CacheClosedError, CacheConfigError
@@ -28,6 +29,9 @@ from .validation import SUPPORTED_DTYPES, as_index, check_int
 from .view import CausalAttentionKVView
 
 __all__ = ["PagedCausalKVCache", "make_layer_caches"]
+
+
+_VIEW_CALL = "update_and_get_attention_kv"
 
 
 class RepeatedCall(NamedTuple):
@@ -74,9 +78,9 @@ class PagedCausalKVCache:
         quant: a `QuantConfig` to pack completed chunks with PRQ (2 or 4 bits); None or bits=None: exact bf16.
         name: this layer's label: the pool owner's prefix and the first word of every error message
             (default "layer").
-        reuse_view_buffer: build every view into one per-pool scratch buffer instead of a fresh tensor (no
-            allocation per call); such a view is valid only until the next call on any cache of the pool
-            (default False).
+        reuse_view_buffer: build every view into one per-pool scratch buffer instead of a fresh tensor (a repeated
+            call of a view of dense rows then allocates nothing; without it exactly its view); such a view is valid
+            only until the next call on any cache of the pool (default False).
         pack_under_pressure: with quantization, when an advance does not fit the pool, pack this layer's bf16
             chunks early (oldest first) if that frees enough pages, instead of raising PoolExhaustedError
             (default False).
@@ -364,12 +368,7 @@ class PagedCausalKVCache:
         retained rows (plus codebooks) occupy. O(segments x runs)."""
         return self._packer.memory_breakdown()
 
-    def _sync_cursors(self) -> None:
-        st = self._seq.state
-        self._on_cursors_changed(st.global_end, st.local_end)
-
     # ------------------------------------------------------------ the call
-    @torch.no_grad()
     def update_and_get_attention_kv(
         self,
         *,
@@ -411,18 +410,72 @@ class PagedCausalKVCache:
             PoolExhaustedError: the pool cannot hold the new tokens.
             ValueError, TypeError: bad shapes, dtype, device, heads or negative numbers (naming the values).
         """
-        if debug_name is None or debug_name == self.debug_name:
-            return self._update(key, value, current_chunk_start, cache_head_start, recent_window_tokens)
-        own = self.debug_name
-        self.debug_name = f"{debug_name} ({own})"  # every error of this call names the caller's label
+        own, grad = self.debug_name, torch.is_grad_enabled()
+        if debug_name is not None and debug_name != own:
+            self.debug_name = f"{debug_name} ({own})"  # every error of this call names the caller's label
+        torch.set_grad_enabled(False)  # writes into the pool must not join an autograd graph
         try:
             return self._update(key, value, current_chunk_start, cache_head_start, recent_window_tokens)
         finally:
             self.debug_name = own
+            torch.set_grad_enabled(grad)
+
+    @torch.no_grad()
+    def update_and_attend(
+        self,
+        query: torch.Tensor,
+        *,
+        key: torch.Tensor,
+        value: torch.Tensor,
+        current_chunk_start: int,
+        cache_head_start: int | None = None,
+        recent_window_tokens: int | None = None,
+        softmax_scale: float | None = None,
+        debug_name: str | None = None,
+    ) -> torch.Tensor:
+        """Write one chunk's K/V exactly as `update_and_get_attention_kv` does and return attention over the rows its
+        view would hold, without building the view (attention.py: tiles decoded from pages, online softmax in fp32).
+
+        Args:
+            query: `[batch, query tokens, heads, head_dim]`, the cache dtype and device, `key`'s heads.
+            softmax_scale: None: `head_dim ** -0.5`; else a finite float. No mask: every query row attends to every
+                row of the view; never-written rows are keys of score 0 and value 0 (as SDPA over the view).
+            The rest: as `update_and_get_attention_kv`.
+
+        Returns:
+            `softmax(query·kᵀ·scale)·v`, `[batch, query tokens, heads, head_dim]` in the query's dtype.
+
+        Raises: as `update_and_get_attention_kv`, plus TypeError / ValueError for a bad query or scale; all before
+        anything changes. Transient memory: `attention.attention_scratch_bytes` (independent of the window).
+        """
+        own = self.debug_name
+        if debug_name is not None and debug_name != own:
+            self.debug_name = f"{debug_name} ({own})"  # every error of this call names the caller's label
+        try:
+            what = "update_and_attend"
+            self._before_call(what)
+            self._ensure_open(what)
+            shape = (self.batch_size, self._num_heads, self.head_dim)
+            check_kv(self.debug_name, key, value, cache_head_start, shape, self.dtype, self.device)
+            scale = check_query(query, key, softmax_scale, self.debug_name)
+            plan, h0, _, _, _ = self._write_and_plan(
+                key, value, current_chunk_start, cache_head_start, recent_window_tokens, what
+            )
+            return attend_pages(self._io, plan, h0, query, scale)
+        finally:
+            self.debug_name = own
 
     def _update(self, key, value, current_chunk_start, cache_head_start, recent_window_tokens):
-        self._before_call("update_and_get_attention_kv")
-        self._ensure_open("update_and_get_attention_kv")
+        return self._finish_view(
+            *self._write_and_plan(key, value, current_chunk_start, cache_head_start, recent_window_tokens)
+        )
+
+    def _write_and_plan(
+        self, key, value, current_chunk_start, cache_head_start, recent_window_tokens, what: str = _VIEW_CALL
+    ):
+        """The write of one call (`what`) and the plan of its view: `(view plan, h0, hin, local start, local end)`."""
+        self._before_call(what)
+        self._ensure_open(what)
         name = self.debug_name
         shape = (self.batch_size, self._num_heads, self.head_dim)
         n, hin, h0 = check_kv(name, key, value, cache_head_start, shape, self.dtype, self.device)
@@ -433,7 +486,7 @@ class PagedCausalKVCache:
         if isinstance(fast, RepeatedCall):  # the same in-place rewrite as before (a later denoise step)
             self._io.write(fast.write_plan, h0, key, value)
             self._last_view_ranges = fast.ranges
-            return self._finish_view(fast.view_plan, h0, hin, fast.local_start, fast.local_end)
+            return fast.view_plan, h0, hin, fast.local_start, fast.local_end
         plan = self._seq.plan_write(s, n, self.debug_name)
         touched: list[RangeEntry[Segment]] = []
         if self._packed is not None:
@@ -452,7 +505,7 @@ class PagedCausalKVCache:
         view_plan = self._io.view_plan(self._seq.index, self._view_spans(ranges), h0, hin)
         if not plan.new_tokens and not unpack:
             self._io.remember(fast_key, RepeatedCall(plan.local_start, plan.local_end, write_plan, ranges, view_plan))
-        return self._finish_view(view_plan, h0, hin, plan.local_start, plan.local_end)
+        return view_plan, h0, hin, plan.local_start, plan.local_end
 
     def _commit(self, plan: CallPlan[Segment], unpack: list[RangeEntry[Segment]], hin: int) -> None:
         """Commit `plan` to pages: pressure packs, released segments back to the pool, packed chunks the write
@@ -475,7 +528,7 @@ class PagedCausalKVCache:
         if entry is not None and packer.apply_policy(plan.start, plan.end, self.debug_name):
             self._structure_changed()
         self._packer.report_used()
-        self._sync_cursors()
+        self._on_cursors_changed(self._seq.state.global_end, self._seq.state.local_end)
         if entry is not None and hin != self._num_heads:
             # Heads this call does not write read as zeros (the dense cache would show stale rolled data).
             self._zero_tokens(entry, entry.start, entry.end)
@@ -531,7 +584,7 @@ class PagedCausalKVCache:
             self._packer.trim_pages(straddler)
         self._structure_changed()
         self._packer.report_used()
-        self._sync_cursors()
+        self._on_cursors_changed(self._seq.state.global_end, self._seq.state.local_end)
 
     def close(self) -> None:
         """Give every page back; afterwards every call raises CacheClosedError. Idempotent."""

@@ -247,3 +247,4 @@ class ChunkPacker:
                 self.pool.free(seg.pages[keep:], self.owner)
                 del seg.pages[keep:]
                 seg.pages_t = None
+                seg.row_index = None

@@ -18,6 +18,7 @@ from pathlib import Path
 from . import __version__
 from .allocator import available_memory_bytes, format_bytes
 from .planner import (
+    ATTENTION_MODES,
     COMPACT_BLOCK,
     Geometry,
     compact_quant,
@@ -239,6 +240,16 @@ def _add_common(p: argparse.ArgumentParser, default_preset: str, *, simulate: bo
         )
 
 
+def _add_attention_arg(plan: argparse.ArgumentParser) -> None:
+    plan.add_argument(
+        "--attention",
+        choices=ATTENTION_MODES,
+        default="view",
+        help="view: each call builds a transient K/V view (update_and_get_attention_kv); pages: update_and_attend "
+        "(attention from pages: a window-independent scratch instead). Budget lines show both (default view)",
+    )
+
+
 def build_parser() -> argparse.ArgumentParser:
     """The `pagedqvg` argument parser."""
     parser = _Parser(
@@ -278,6 +289,7 @@ def build_parser() -> argparse.ArgumentParser:
     b.add_argument(
         "--device", default=None, help="device for --memory-fraction without --gpu (default cuda if present)"
     )
+    _add_attention_arg(plan)
     plan.add_argument("--json", action="store_true", help="print JSON instead of a table")
     plan.set_defaults(func=cmd_plan)
 
@@ -496,9 +508,21 @@ def _segment_pages_text(s: dict, dtype: str) -> str:
     return f"{s['mode']} {s['segment_pages']['packed']} pages"
 
 
-def _budget_fits(w: Workload, budget: int, source: str) -> list[dict[str, object]]:
+def _attention_fits(geom: Geometry, budget: int, lo: int) -> dict[str, dict[str, object]]:
+    """Per attention mode: the largest window (frames) that fits `budget`, its budget and the transient bytes."""
+    out: dict[str, dict[str, object]] = {}
+    for mode in ATTENTION_MODES:
+        g = dataclasses.replace(geom, attention=mode)
+        frames = max_window_frames(g, budget, lo)
+        p = plan_geometry(g.with_window_frames(frames if frames is not None else lo), replay=False)
+        out[mode] = {"max_window_frames": frames, "budget_bytes": p.budget_bytes, "transient_bytes": p.view_bytes}
+    return out
+
+
+def _budget_fits(w: Workload, budget: int, source: str, attention: str = "view") -> list[dict[str, object]]:
     rows = []
     for geom in setting_geometries(w)[0]:
+        geom = dataclasses.replace(geom, attention=attention)
         lo = min_window_frames(geom, w.chunk_frames)
         frames = max_window_frames(geom, budget, lo)
         row: dict[str, object] = {
@@ -512,6 +536,7 @@ def _budget_fits(w: Workload, budget: int, source: str) -> list[dict[str, object
             "min_window_frames": lo,
             "min_budget_bytes": plan_geometry(geom.with_window_frames(lo), replay=False).budget_bytes,
             "max_sessions": max_sessions(geom, budget),
+            "by_attention": _attention_fits(geom, budget, lo),
         }
         if frames is not None:
             p = plan_geometry(geom.with_window_frames(frames), replay=False)
@@ -613,13 +638,15 @@ def resolve_budget(args: argparse.Namespace, w: Workload) -> dict[str, object] |
 
 
 def build_plan(
-    w: Workload, budget: dict[str, object] | int | None = None, budget_source: str = ""
+    w: Workload, budget: dict[str, object] | int | None = None, budget_source: str = "", attention: str = "view"
 ) -> dict[str, object]:
-    """The plan as a JSON-ready dict (schema `pagedqvg.plan/2`). `budget`: from `resolve_budget`, or bytes."""
+    """The plan as a JSON-ready dict (schema `pagedqvg.plan/2`). `budget`: from `resolve_budget`, or bytes.
+    `attention`: "view" (a transient view per call) or "pages" (update_and_attend's scratch instead)."""
     if isinstance(budget, int):
         budget = {"bytes": budget, "source": budget_source, "lines": []}
     geom = Geometry.from_workload(w)
     geoms, skipped = setting_geometries(w)
+    geoms = [dataclasses.replace(g, attention=attention) for g in geoms]
     settings = [plan_geometry(g) for g in geoms]
     dense = geom.dense
     doc: dict[str, object] = {
@@ -657,7 +684,7 @@ def build_plan(
         d["page_waste_by_kind"] = dict(g.page_choice.waste) if g.page_choice is not None else None
         doc["settings"].append(d)  # type: ignore[union-attr]
     if budget is not None:
-        doc["budget"] = {**budget, "fits": _budget_fits(w, int(budget["bytes"]), str(budget["source"]))}
+        doc["budget"] = {**budget, "fits": _budget_fits(w, int(budget["bytes"]), str(budget["source"]), attention)}
     return doc
 
 
@@ -767,12 +794,20 @@ def _plan_table_lines(doc: dict, g: dict, settings: list, dt: str) -> list[str]:
             why = " (head_dim below 128: one fitted scale per token-head)" if block == head_dim else ""
             lines.append(f"  paged compact: blocks of {block} channels per fitted scale{why}")
     view = settings[0]
+    transient = (
+        f"  transient view: {_n(view['transient_view_tokens'])} tokens = {format_bytes(view['transient_view_bytes'])}"
+        " per call, one layer at a time, outside the pool"
+    )
+    if view.get("attention") == "pages":
+        transient = (
+            f"  attention from pages (--attention pages): scratch {format_bytes(view['transient_view_bytes'])} per "
+            f"call ({doc['settings'][0]['mode']}; packed modes add their tile decode), one layer at a time, no view"
+        )
     return [
         *lines,
         "",
-        f"  transient view: {_n(view['transient_view_tokens'])} tokens = {format_bytes(view['transient_view_bytes'])}"
-        " per call, one layer at a time, outside the pool",
-        "  budget needed = pool pages x page size + one transient view",
+        transient,
+        "  budget needed = pool pages x page size + one transient view (or the attention scratch)",
         f"  * selected quantization ({doc['selected']}); vs dense = dense {dt} bytes / paged bytes; waste = page "
         "tails + rows of evicted tokens in retained segments",
     ]
@@ -793,6 +828,16 @@ def _budget_fit_line(r: dict, g: dict, tpf: int, dt: str) -> str:
         f"    {name:<7} {at_least}{r['max_window_frames']:>6} frames (C = "
         f"{_n(r['cache_size_tokens'])} slots): needs {format_bytes(r['budget_bytes'])} "
         f"(pool {format_bytes(r['pool_bytes'])}); {fit}" + ("; the search stops there" if r["search_limited"] else "")
+    ) + _attention_modes_text(r)
+
+
+def _attention_modes_text(r: dict) -> str:
+    """Both attention modes side by side (frames that fit, transient bytes per call), or "" without them."""
+    by = r.get("by_attention")
+    if not by:
+        return ""
+    return " | attention " + ", ".join(
+        f"{a} {v['max_window_frames']} frames ({format_bytes(v['transient_bytes'])} transient)" for a, v in by.items()
     )
 
 
@@ -831,7 +876,7 @@ def cmd_plan(args: argparse.Namespace) -> int:
     """`pagedqvg plan`."""
     w = workload_from_args(args)
     budget = resolve_budget(args, w)
-    doc = build_plan(w, budget)
+    doc = build_plan(w, budget, attention=args.attention)
     print(json.dumps(doc, indent=2) if args.json else format_plan(doc))
     return 0
 

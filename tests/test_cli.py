@@ -78,7 +78,8 @@ def test_plan_json_schema(capsys, preset: str) -> None:
     for s in doc["settings"]:
         assert set(s) == {"mode", "quant", "exact_by", "page_bytes", "page_auto", "page_waste_by_kind", "per_layer",
                           "all_layers", "segment_pages", "ratio_vs_dense", "pool_pages", "pool_bytes",
-                          "transient_view_tokens", "transient_view_bytes", "budget_bytes", "warmup_chunks"}
+                          "transient_view_tokens", "transient_view_bytes", "budget_bytes", "warmup_chunks",
+                          "attention"}
         assert s["page_auto"] and s["per_layer"]["waste_bytes"] <= 0.01 * s["per_layer"]["bytes"]
         # per segment kind too, except compact's packed chunks on lingbot-world and self-forcing: no page meets
         # 0.5% for both kinds there, so auto takes the least waste of one segment of each kind together (160 KiB /
@@ -99,7 +100,8 @@ def test_plan_json_schema(capsys, preset: str) -> None:
     assert [f["mode"] for f in budget["fits"]] == ["off", "int4", "int2", "compact"]
     for f in budget["fits"]:
         assert set(f) == {"mode", "page_bytes", "max_window_frames", "search_limited", "cache_size_tokens",
-                          "budget_bytes", "pool_bytes", "min_window_frames", "min_budget_bytes", "max_sessions"}
+                          "budget_bytes", "pool_bytes", "min_window_frames", "min_budget_bytes", "max_sessions",
+                          "by_attention"}
         assert _is_int(f["max_window_frames"]) and f["budget_bytes"] <= budget["bytes"]
     frames = [f["max_window_frames"] for f in budget["fits"]]
     assert frames == sorted(frames) and frames[2] < frames[3]  # compact fits the most
