@@ -10,6 +10,7 @@ so every error leaves the cache and the pool exactly as they were.
 
 from __future__ import annotations
 
+import functools
 import warnings
 import weakref
 from typing import NamedTuple
@@ -33,6 +34,18 @@ __all__ = ["PagedCausalKVCache", "make_layer_caches"]
 
 #: A dense segment and its PRQ-packed form, computed before anything changes (packed early under pool pressure).
 Packing = tuple[RangeEntry[Segment], QuantizedChunk]
+
+
+def _holding_pool_lock(method):
+    """Run a cache method holding its pool's lock: its check-then-act steps on the pool (free pages counted, then
+    pages freed and taken; packing) are atomic with respect to other threads driving other caches of the pool."""
+
+    @functools.wraps(method)
+    def wrapper(self, *args, **kwargs):
+        with self.pool.lock:
+            return method(self, *args, **kwargs)
+
+    return wrapper
 
 
 class RepeatedCall(NamedTuple):
@@ -593,6 +606,7 @@ class PagedCausalKVCache:
             self._io.remember(fast_key, RepeatedCall(plan.local_start, plan.local_end, write_plan, ranges, view_plan))
         return self._finish_view(view_plan, h0, hin, plan.local_start, plan.local_end)
 
+    @_holding_pool_lock
     def _commit(self, plan: CallPlan[Segment], unpack: list[RangeEntry[Segment]], hin: int) -> None:
         """Commit `plan` to pages: pressure packs, released segments back to the pool, packed chunks the write
         touches unpacked, the new tokens' segment, then the pack policy. Raises PoolExhaustedError (nothing changed)
@@ -667,6 +681,7 @@ class PagedCausalKVCache:
         self._seq.pin(as_index("num_tokens", num_tokens, self.debug_name))
         self._structure_changed()
 
+    @_holding_pool_lock
     def reset_indices(self) -> None:
         """Empty the cache (a grown cache_size stays) and give every page back to the pool."""
         self._ensure_open("reset_indices")
@@ -684,6 +699,7 @@ class PagedCausalKVCache:
             self.pool.free(entry.value.pages, self.owner)
         self.pool.set_used_bytes(self.owner, 0)
 
+    @_holding_pool_lock
     def rewind_to(self, pos: int) -> None:
         """Drop every token at global position `pos` and later, so the next append starts at `pos` (no dense
         equivalent); their pages go back to the pool, and a pin at or after the new local end is cleared.
@@ -723,6 +739,7 @@ class PagedCausalKVCache:
                 del seg.pages[keep:]
                 seg.pages_t = None
 
+    @_holding_pool_lock
     def close(self) -> None:
         """Give every page back; afterwards every call raises CacheClosedError. Idempotent."""
         if self._closed:
@@ -755,8 +772,10 @@ def _check_quant(quant: object, head_dim: int) -> None:
 
 
 def _release_owner(pool: BlockPool, owner: str) -> None:
-    if pool.pages_of(owner):
-        pool.release_owner(owner)
+    """The finalizer of a cache collected without close(): garbage collection may run inside another pool
+    operation (or on another thread), so the pages are only queued; the pool gives them back at its next
+    operation, under its lock."""
+    pool.release_owner_later(owner)
 
 
 def make_layer_caches(num_layers: int, *, pool: BlockPool, **kwargs) -> list[PagedCausalKVCache]:

@@ -7,8 +7,10 @@ either free or held by exactly one owner (a string such as ``"layer3#7"``). Noth
 
 from __future__ import annotations
 
+import functools
 import os
-from collections import Counter
+import threading
+from collections import Counter, deque
 from dataclasses import dataclass
 
 import torch
@@ -89,8 +91,29 @@ def available_memory_bytes(device: torch.device | str) -> int:
     return int(os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE"))
 
 
+def _locked(method):
+    """Run a pool method holding the pool's lock, after giving back the pages of owners queued by
+    `release_owner_later` (so a finalizer never frees inside another pool operation)."""
+
+    @functools.wraps(method)
+    def wrapper(self, *args, **kwargs):
+        with self.lock:
+            if self._deferred:
+                self._drain_deferred()
+            return method(self, *args, **kwargs)
+
+    return wrapper
+
+
 class BlockPool:
     """A fixed set of equal pages carved from one arena tensor, shared by every layer's cache.
+
+    Threads: every state change and every read of the shared tables holds `lock` (a re-entrant lock). Caches
+    hold it across each check-then-act sequence (an advance's page check, frees and allocations; packing), so
+    different threads may drive different caches of one pool. One cache is driven by one thread at a time, and
+    `view_buffer` (a single scratch buffer) is not for threads: use `reuse_view_buffer=False` with threads.
+    Finalizers (caches collected without `close()`) only queue their owner (`release_owner_later`); the pages go
+    back at the next pool operation, under the lock.
 
     Complexity: `alloc(n)` and `free(pages)` are O(n); `stats()` is O(owners); `check()` is O(num_pages).
     """
@@ -131,6 +154,9 @@ class BlockPool:
         self._owner_serial = 0
         self._view_buffer: torch.Tensor | None = None
         self._view_buffer_last: tuple[int, torch.dtype, torch.Tensor] | None = None
+        #: Held by every method that reads or changes the page tables, and by caches across check-then-act calls.
+        self.lock = threading.RLock()
+        self._deferred: deque[str] = deque()  # owners whose pages go back at the next pool operation
 
     @classmethod
     def from_free_memory(
@@ -214,6 +240,7 @@ class BlockPool:
         return typed
 
     # ------------------------------------------------------------ ownership
+    @_locked
     def new_owner(self, label: str) -> str:
         """A fresh owner name `label#k`, unique within this pool."""
         self._owner_serial += 1
@@ -221,12 +248,18 @@ class BlockPool:
 
     @property
     def num_free_pages(self) -> int:
-        return len(self._free)
+        """Free pages now (after queued finalizer releases). O(1)."""
+        with self.lock:
+            if self._deferred:
+                self._drain_deferred()
+            return len(self._free)
 
+    @_locked
     def pages_of(self, owner: str) -> int:
         """Pages held by `owner`. O(1)."""
         return self._owner_pages.get(owner, 0)
 
+    @_locked
     def exhausted_error(self, requested: int, context: str = "") -> PoolExhaustedError:
         """The error an over-budget request of `requested` pages gets (names sizes and the biggest holders)."""
         top = ", ".join(f"{o}: {n} pages" for o, n in self._owner_pages.most_common(3)) or "none"
@@ -240,6 +273,7 @@ class BlockPool:
             f"or turn on quantization."
         )
 
+    @_locked
     def alloc(self, n: int, owner: str) -> list[int]:
         """Take `n` pages for `owner`, all or nothing. O(n). Raises PoolExhaustedError (pool unchanged)."""
         check_int("alloc: n", n, minimum=0, message=_METHOD_INT, type_message=_METHOD_INT)
@@ -261,9 +295,14 @@ class BlockPool:
             self._high_water = used
         return pages
 
+    @_locked
     def free(self, pages: list[int] | tuple[int, ...], owner: str) -> None:
         """Give `pages` of `owner` back. O(n). A free, foreign, duplicate or unknown page: PageOwnershipError,
         and nothing is freed."""
+        self._free_pages(pages, owner)
+
+    def _free_pages(self, pages: list[int] | tuple[int, ...], owner: str) -> None:
+        """`free`'s body (the caller holds the lock)."""
         owner_of = self._owner_of
         seen: set[int] = set()
         for p in pages:
@@ -292,14 +331,32 @@ class BlockPool:
                 del self._owner_pages[owner]
                 self._owner_used.pop(owner, None)
 
+    @_locked
     def release_owner(self, owner: str) -> int:
         """Give back every page `owner` holds (e.g. a cache collected without `close()`). O(num_pages).
         Returns the number of pages freed."""
+        return self._release_owner(owner)
+
+    def _release_owner(self, owner: str) -> int:
+        """`release_owner`'s body (the caller holds the lock)."""
         pages = [p for p, holder in enumerate(self._owner_of) if holder == owner]
         self._owner_used.pop(owner, None)
-        self.free(pages, owner)
+        self._free_pages(pages, owner)
         return len(pages)
 
+    def release_owner_later(self, owner: str) -> None:
+        """Queue `owner`'s pages to go back at the next pool operation (for finalizers and garbage collection,
+        which may run inside another pool operation, on any thread). Takes no lock; O(1)."""
+        self._deferred.append(owner)
+
+    def _drain_deferred(self) -> None:
+        """Give back the pages of every queued owner (caller holds the lock). O(num_pages) per queued owner."""
+        while self._deferred:
+            owner = self._deferred.popleft()
+            if self._owner_pages.get(owner, 0):
+                self._release_owner(owner)
+
+    @_locked
     def set_used_bytes(self, owner: str, nbytes: int) -> None:
         """Record how many bytes of its pages `owner` really uses (for the waste figure). O(1)."""
         check_int("set_used_bytes: nbytes", nbytes, minimum=0, message=_METHOD_INT, type_message=_METHOD_INT)
@@ -312,6 +369,7 @@ class BlockPool:
             self._owner_used.pop(owner, None)
 
     # ------------------------------------------------------------ accounting
+    @_locked
     def stats(self) -> PoolStats:
         """Exact accounting snapshot. O(owners)."""
         used_pages = self.num_pages - len(self._free)
@@ -329,15 +387,18 @@ class BlockPool:
             owner_pages=tuple(sorted(self._owner_pages.items())),
         )
 
+    @_locked
     def reset_high_water(self) -> None:
         """Start a new high-water mark at the pages held now (to measure the peak of one phase, e.g. a benchmark's
         generation loop after the caches are set up). O(1)."""
         self._high_water = self.num_pages - len(self._free)
 
+    @_locked
     def debug_state(self) -> tuple[tuple[int, ...], tuple[str | None, ...]]:
         """The free stack and the owner table, for snapshot comparisons in tests."""
         return tuple(self._free), tuple(self._owner_of)
 
+    @_locked
     def check(self) -> None:
         """Verify every invariant; raise PoolInvariantError naming the first broken one. O(num_pages)."""
         free = self._free
