@@ -17,6 +17,7 @@ from .errors import (
     PoolExhaustedError,
     PoolInvariantError,
     SequencingError,
+    SessionRefusedError,
 )
 from .quant import QuantConfig
 from .view import CausalAttentionKVView
@@ -53,5 +54,6 @@ __all__ = [
     "QuantConfig",
     "RangeIndex",
     "SequencingError",
+    "SessionRefusedError",
     "make_layer_caches",
 ]
