@@ -30,7 +30,9 @@ Bytes counted: a copy kernel reads and writes every element once, so bytes = 2 x
 row index it reads (16 B per token row). GB/s = bytes / median time (1 GB = 1e9 B); "% peak" is against
 --peak-gbps (4800 GB/s = H200 HBM3e). Every Triton result is checked against torch before it is timed (bit for bit;
 prq_pack_chunk: error within 2% of torch's).
-It also checks that views of several lengths reuse one compiled kernel per layer shape.
+It also checks that views of several lengths reuse one compiled kernel per layer shape, that no compiled binary
+spills registers (Triton's `n_spills` as loaded by the driver; the AOT table in the README says 0 for every kernel at
+sm_90), and, with two or more GPUs, that a pool on another GPU than the current one launches on its own GPU.
 
 Exit status: 0 when every check passed, 1 when a result differs, 2 when the requested device is unavailable.
 """
@@ -162,6 +164,10 @@ def main(argv: list[str] | None = None) -> int:
         ok &= shape_ok
         if device.type == "cuda":
             torch.cuda.empty_cache()
+
+    if device.type == "cuda":
+        ok &= check_spills(device)
+        ok &= check_other_device(dtype)
 
     if args.json:
         with open(args.json, "w") as f:
@@ -632,6 +638,67 @@ class Setup:
     def chunk_index(self):
         p, m = self.segments[-1]
         return self._segment_row_index(p, self.rows_per_page, 0, m, self.kv_batch)
+
+
+def check_spills(device: torch.device) -> bool:
+    """Registers and spills of every Triton binary this run compiled, as the driver loaded them (Triton's
+    `n_regs`/`n_spills`); the AOT table (`python -m pagedqvg.kernels.triton_aot --report`) says 0 spills for every
+    kernel at sm_90, so a spill here means the GPU's toolchain disagrees. True when none spills."""
+    from pagedqvg.kernels import (
+        triton_dequant,
+        triton_kmeans,
+        triton_page_write,
+        triton_residual_pack,
+        triton_view_build,
+        triton_view_runs,
+    )
+
+    ok, seen = True, 0
+    for mod in (triton_page_write, triton_view_build, triton_view_runs, triton_dequant, triton_kmeans,
+                triton_residual_pack):  # fmt: skip
+        for name in dir(mod):
+            kernel = getattr(mod, name)
+            caches = getattr(kernel, "device_caches", None)
+            if not name.startswith("_") or not name.endswith("_kernel") or caches is None:
+                continue
+            index = device.index if device.index is not None else torch.cuda.current_device()
+            for compiled in caches[index][0].values():
+                compiled._init_handles()
+                seen += 1
+                spills = compiled.n_spills
+                print(f"  {name}: {compiled.n_regs} registers, {spills} spills, {compiled.metadata.shared} B shared"
+                      + ("  SPILLS" if spills else ""))  # fmt: skip
+                ok &= spills == 0
+    print(f"compiled binaries checked for spills: {seen}" + ("" if ok else "  SPILLS FOUND"))
+    return ok
+
+
+def check_other_device(dtype: torch.dtype) -> bool:
+    """With two or more GPUs: a pool on the last GPU while GPU 0 is current; the Triton page write and view build
+    must run on the pool's GPU (results equal the torch path's bit for bit) and leave GPU 0 current. True when it
+    passed or there is one GPU (skipped, said so)."""
+    from pagedqvg import BlockPool
+    from pagedqvg.kernels.page_write import page_write_torch
+    from pagedqvg.kernels.triton_page_write import page_write_triton
+
+    if torch.cuda.device_count() < 2:
+        print("other-device launch check: skipped (one GPU)")
+        return True
+    other = torch.device("cuda", torch.cuda.device_count() - 1)
+    torch.cuda.set_device(0)
+    pool = BlockPool(capacity_bytes=1 << 22, page_bytes=1 << 16, device=other)
+    rows_a = pool.pages_as(dtype)[:8].view(8, -1, 4, 64)
+    rows_b = rows_a.clone()
+    gen = torch.Generator(device=other).manual_seed(0)
+    kv = torch.randn(2, 1, 16, 4, 64, generator=gen, device=other).to(dtype)
+    flat = torch.randperm(8 * rows_a.shape[1], generator=gen, device=other)[:32].view(2, 1, 16)
+    page_idx, slot_idx = flat // rows_a.shape[1], flat % rows_a.shape[1]
+    page_write_triton(rows_a, page_idx, slot_idx, 0, kv[0], kv[1])
+    page_write_torch(rows_b, page_idx, slot_idx, 0, kv[0], kv[1])
+    torch.cuda.synchronize(other)
+    ok = _bits_equal(rows_a, rows_b) and torch.cuda.current_device() == 0
+    print(f"other-device launch check ({other} while cuda:0 current): {'ok' if ok else 'FAILED'}")
+    return ok
 
 
 def _bits_equal(a: torch.Tensor, b: torch.Tensor) -> bool:

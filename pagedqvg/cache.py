@@ -1,8 +1,9 @@
 """The per-layer paged causal KV cache: the dense cache's contract (docs/SEMANTICS.md) over pool pages.
 
 Data path: pool pages ← range index (global token ranges → segments) ← slot map (slots → global tokens) ← the
-sequencing core (sequencing.py: roll, pin, rewind, view ranges) → this cache (commits plans to pages, runs the pack
-policy of policy.py) → page_io.py (writes and view builds) → `CausalAttentionKVView`.
+sequencing core (sequencing.py: roll, pin, rewind, view ranges) → this cache (commits plans to pages) →
+cache_packing.py (`ChunkPacker`: memory pressure, the pack policy of policy.py, packing and unpacking) and
+page_io.py (writes and view builds) → `CausalAttentionKVView`.
 
 Every call is planned completely (new slot map, cursors, segments to free, pages to take) before anything changes,
 so every error leaves the cache and the pool exactly as they were.
@@ -11,29 +12,23 @@ so every error leaves the cache and the pool exactly as they were.
 from __future__ import annotations
 
 import functools
-import warnings
 import weakref
 from typing import NamedTuple
 
 import torch
 
 from .allocator import BlockPool, RangeEntry
-from .errors import CacheClosedError, CacheConfigError, PackingFailedWarning
-from .layout import DenseTokenLayout
-from .packing import PackedStore, QuantizedChunk
+from .cache_args import check_device, check_kv, check_quant, cursor_tensors, dense_layout, packed_store, recent_window
+from .cache_packing import ChunkPacker
+from .errors import CacheClosedError, CacheConfigError
 from .page_io import PageIO, Spans, ViewPlan, WritePlan
-from .policy import layer_pack_targets, pressure_candidates, sink_segment_starts
 from .quant import QuantConfig
-from .segment import Segment, SegmentKind
+from .segment import Segment
 from .sequencing import CacheSpec, CallPlan, Sequencer
-from .validation import SUPPORTED_DTYPES, as_index, check_int, page_bytes_at_least
+from .validation import SUPPORTED_DTYPES, as_index, check_int
 from .view import CausalAttentionKVView
 
 __all__ = ["PagedCausalKVCache", "make_layer_caches"]
-
-
-#: A dense segment and its PRQ-packed form, computed before anything changes (packed early under pool pressure).
-Packing = tuple[RangeEntry[Segment], QuantizedChunk]
 
 
 def _holding_pool_lock(method):
@@ -112,8 +107,67 @@ class PagedCausalKVCache:
         CacheConfigError: a bad argument (naming it and the valid values); nothing is allocated.
     """
 
-    #: The class of returned views (fields in `CausalAttentionKVView`'s order); the SGLang integration uses SGLang's.
+    # ------------------------------------------------------------ extension points (for subclasses)
+    # A subclass (pagedqvg.integrations.sglang) overrides only the hooks and attributes of this section and calls
+    # only its helpers (plus the public API); every other underscore name is private and may change.
+
+    #: Attribute: the class of returned views (fields in `CausalAttentionKVView`'s order).
     _view_cls: type = CausalAttentionKVView
+    #: Attribute: `(K, V)` value of rows no call wrote (heads a head-sliced advance did not write, adopted slots).
+    _unwritten_fill: tuple[float, float] = (0.0, 0.0)
+
+    def _before_call(self, what: str) -> None:
+        """Hook: runs first in `update_and_get_attention_kv`, `pin_current_chunk` and `_read_slots` (`what` names
+        the call), before the closed check; raise to refuse the call (nothing has changed). Default: nothing."""
+
+    def _on_cursors_changed(self, global_end: int, local_end: int) -> None:
+        """Hook: the cursors moved (an advance or a rewind; not `reset_indices`): publish them. Default: the host
+        ints with `use_int_indices`, else the cursor tensors (one `fill_` each)."""
+        if self._use_int:
+            self.global_end_index_int, self.local_end_index_int = global_end, local_end
+        else:
+            self._g_tensor.fill_(global_end)
+            self._l_tensor.fill_(local_end)
+
+    def _set_spec(self, **changes: object) -> None:
+        """Helper: set `sink_tokens`, `window` or `allow_growth` (checked by the caller) from the next call on."""
+        self._seq.spec = self._seq.spec.with_(**changes)
+        self._structure_changed()
+
+    def _unpin(self, what: str) -> None:
+        """Helper: clear the pin (no data moves); CacheClosedError (naming `what`) after `close()`."""
+        self._ensure_open(what)
+        self._seq.unpin()
+        self._structure_changed()
+
+    def _read_slots(self, what: str) -> torch.Tensor:
+        """Helper: a new `[2, B, L, H, D]` tensor of every head of the filled slots `[0, L)`. Runs
+        `_before_call(what)` and the closed check first; the last view's record stays. O(L) copies."""
+        self._before_call(what)
+        self._ensure_open(what)
+        B, H, D = self.batch_size, self._num_heads, self.head_dim
+        num_slots = self._seq.state.local_end
+        if num_slots == 0:
+            return torch.empty(2, B, 0, H, D, dtype=self.dtype, device=self.device)
+        plan = self._io.view_plan(self._seq.index, self._view_spans([(0, num_slots)]), 0, H)
+        out = torch.empty(2, B, plan.tokens, H, D, dtype=self.dtype, device=self.device)
+        self._io.build_view(plan, 0, H, out)
+        return out
+
+    @_holding_pool_lock
+    def _adopt(self, global_end: int, local_end: int, pin_start: int, pin_len: int) -> None:
+        """Helper: start an empty cache at cursors `(global_end, local_end)` (checked by the caller: 0 <= local_end
+        <= min(global_end, cache_size), pin inside `[0, local_end)`): slots `[0, local_end)` hold tokens `[global_end
+        - local_end, global_end)`, never written (`_unwritten_fill`), in pool pages like any chunk. The cursor forms
+        are the caller's. PoolExhaustedError (nothing changed) if they do not fit."""
+        seg = Segment(self.pool.alloc(self.layout.pages_for_tokens(local_end), self.owner)) if local_end else None
+        self._seq.adopt(global_end, local_end, pin_start, pin_len, seg)
+        if local_end:
+            entry = self._seq.index.find(global_end - local_end)
+            assert entry is not None
+            self._zero_tokens(entry, global_end - local_end, global_end)
+        self._structure_changed()
+        self._packer.report_used()
 
     def __init__(
         self,
@@ -151,8 +205,8 @@ class PagedCausalKVCache:
         self.head_dim = check_int("head_dim", head_dim, minimum=1, error=CacheConfigError)
         if dtype not in SUPPORTED_DTYPES:
             raise CacheConfigError(f"dtype must be one of {SUPPORTED_DTYPES}, got {dtype}")
-        _check_device(device, pool)
-        _check_quant(quant, self.head_dim)
+        check_device(device, pool)
+        check_quant(quant, self.head_dim)
         self.pool = pool
         self.device = pool.device
         self.dtype = dtype
@@ -160,68 +214,47 @@ class PagedCausalKVCache:
         self.debug_name = name
         self.owner = pool.new_owner(name)
         self.reuse_view_buffer = bool(reuse_view_buffer)
-        self.layout = self._dense_layout()
-        self._packed = self._packed_store()
-        self.pack_under_pressure = bool(pack_under_pressure)
-        self.pack_skipped = 0  # chunks left dense because they held non-finite values or packing failed
+        self.layout = dense_layout(pool, self.batch_size, self._num_heads, self.head_dim, dtype)
+        self._packed = packed_store(pool, self.layout, quant)
         # The token rows of this layer in the pool, every move of them, and the cached write/view plans.
         self._io = PageIO(pool, self.layout, self._packed)
         # Geometry, cursors, pin, slot map and segments: every sequencing rule lives in the core.
         self._seq: Sequencer[Segment] = Sequencer(spec)
+        # Memory pressure and packing (the pack policy, packing and unpacking segments).
+        self._packer = ChunkPacker(
+            pool=pool,
+            owner=self.owner,
+            layout=self.layout,
+            io=self._io,
+            seq=self._seq,
+            store=self._packed,
+            quant=quant if self._packed is not None else None,
+            pack_under_pressure=pack_under_pressure,
+        )
         self._use_int = bool(use_int_indices)
         self._closed = False
         self._last_view_ranges: list[tuple[int, int]] = []
-        self._g_tensor, self._l_tensor = self._cursors(global_end_index, local_end_index)
+        self._g_tensor, self._l_tensor = cursor_tensors(global_end_index, local_end_index, self.device)
         # A cache collected without close() still gives its pages back.
         self._finalizer = weakref.finalize(self, _release_owner, pool, self.owner)
         self.global_end_index_int: int | None = 0 if self._use_int else None
         self.local_end_index_int: int | None = 0 if self._use_int else None
 
-    def _dense_layout(self) -> DenseTokenLayout:
-        """The page layout of this layer's dense rows; CacheConfigError when one token does not fit a page."""
-        B, H, D, page_bytes = self.batch_size, self._num_heads, self.head_dim, self.pool.page_bytes
-        layout = DenseTokenLayout(B, H, D, self.dtype, page_bytes)
-        if layout.tokens_per_page < 1:
-            token_bytes = 2 * B * layout.row_bytes
-            raise CacheConfigError(
-                f"one token (K and V for {B} batch x {H} heads x {D} x {layout.itemsize} B = {token_bytes} B) does "
-                f"not fit a page of {page_bytes} B; use a pool with page_bytes >= {page_bytes_at_least(token_bytes)}"
-            )
-        return layout
-
-    def _packed_store(self) -> PackedStore | None:
-        """The PRQ store of packed segments (None with quantization off); CacheConfigError naming a bad field."""
-        if self.quant is None or not self.quant.enabled:
-            return None
-        try:
-            return PackedStore(self.pool, self.batch_size, self._num_heads, self.head_dim, self.dtype, self.quant)
-        except ValueError as exc:
-            raise CacheConfigError(f"quant: {exc}") from None
-
-    def _cursors(
-        self, global_end_index: torch.Tensor | None, local_end_index: torch.Tensor | None
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        """The cursor tensors (given, checked, or new zeros); CacheConfigError when both are one tensor."""
-        g = self._cursor("global_end_index", global_end_index)
-        local = self._cursor("local_end_index", local_end_index)
-        if g.untyped_storage().data_ptr() == local.untyped_storage().data_ptr():
-            raise CacheConfigError(
-                "global_end_index and local_end_index must be two different tensors (G and L differ)"
-            )
-        return g, local
-
-    def _cursor(self, name: str, given: torch.Tensor | None) -> torch.Tensor:
-        if given is None:
-            return torch.zeros(1, dtype=torch.int64, device=self.device)
-        if not isinstance(given, torch.Tensor) or given.shape != (1,) or given.dtype != torch.int64:
-            raise CacheConfigError(f"{name} must be a 1-element int64 tensor, got {given!r}")
-        if given.device != self.device:
-            raise CacheConfigError(f"{name} is on {given.device}, the cache on {self.device}")
-        if int(given.item()) != 0:
-            raise CacheConfigError(f"{name} must start at 0 for an empty cache, got {int(given.item())}")
-        return given
-
     # ------------------------------------------------------------ read-only state
+    @property
+    def pack_under_pressure(self) -> bool:
+        """With quantization: pack this layer's bf16 chunks early when an advance does not fit (settable)."""
+        return self._packer.pack_under_pressure
+
+    @pack_under_pressure.setter
+    def pack_under_pressure(self, value: bool) -> None:
+        self._packer.pack_under_pressure = bool(value)
+
+    @property
+    def pack_skipped(self) -> int:
+        """Chunks the pack policy left unpacked (non-finite values, or packing failed)."""
+        return self._packer.skipped
+
     @property
     def num_cache_heads(self) -> int:
         """Heads the cache holds (`num_heads`)."""
@@ -246,6 +279,11 @@ class PagedCausalKVCache:
     def global_sink_tokens(self) -> int:
         """The first tokens of the stream, kept for good and prepended to views once the window moved past them."""
         return self._seq.spec.global_sink_tokens
+
+    @property
+    def allow_growth(self) -> bool:
+        """Whether an advance that does not fit grows `cache_size` instead of rolling."""
+        return self._seq.spec.allow_growth
 
     @property
     def global_end_index(self) -> torch.Tensor:
@@ -295,15 +333,7 @@ class PagedCausalKVCache:
         then partly rewritten: the rows the rewrite did not touch carry the quantization error), and
         `(-1, count - 1, "zeros")` for `count` slots the cache never filled. Valid until the cache changes.
         O(runs + segments)."""
-        out: list[tuple[int, int, str]] = []
-        for global_ranges, zeros in self._view_spans(self._last_view_ranges):
-            for g0, g1 in global_ranges:
-                for entry in self._seq.index.overlapping(g0, g1):
-                    kind = "unpacked" if entry.value.lossy else str(entry.value.kind)
-                    out.append((max(g0, entry.start), min(g1, entry.end), kind))
-            if zeros > 0:
-                out.append((-1, zeros - 1, "zeros"))
-        return out
+        return self._io.view_sources(self._seq.index, self._view_spans(self._last_view_ranges))
 
     def segments(self) -> list[tuple[int, int, int]]:
         """`(global_start, global_end, pages)` of each stored segment, in order."""
@@ -325,57 +355,6 @@ class PagedCausalKVCache:
                 f"{self.debug_name}: {what} after close(); its pages are back in the pool — make a new cache"
             )
 
-    def _check_kv(self, key: object, value: object, cache_head_start: object) -> tuple[int, int, int]:
-        name = self.debug_name
-        for label, t in (("key", key), ("value", value)):
-            if not isinstance(t, torch.Tensor):
-                raise TypeError(f"{name}: {label} must be a torch.Tensor, got {type(t).__name__}")
-            if t.dim() != 4:
-                raise ValueError(
-                    f"{name}: {label} must be [batch, tokens, heads, head_dim], got shape {tuple(t.shape)}"
-                )
-            if t.dtype != self.dtype:
-                raise TypeError(f"{name}: {label} dtype {t.dtype} differs from the cache dtype {self.dtype}")
-            if t.device != self.device:
-                raise ValueError(f"{name}: {label} is on {t.device}, the cache is on {self.device}")
-            if t.layout != torch.strided:
-                raise TypeError(f"{name}: {label} has layout {t.layout}; the cache takes dense (strided) tensors")
-        assert isinstance(key, torch.Tensor) and isinstance(value, torch.Tensor)
-        if key.shape != value.shape:
-            raise ValueError(f"{name}: key shape {tuple(key.shape)} differs from value shape {tuple(value.shape)}")
-        batch, n, hin, d = key.shape
-        if batch != self.batch_size:
-            raise ValueError(f"{name}: batch {batch} differs from the cache's batch_size {self.batch_size}")
-        if d != self.head_dim:
-            raise ValueError(f"{name}: head_dim {d} differs from the cache's head_dim {self.head_dim}")
-        if n == 0:
-            raise ValueError(f"{name}: zero-length chunk (key has 0 tokens); pass at least one token")
-        H = self._num_heads
-        if hin == 0 or hin > H:
-            raise ValueError(f"{name}: key has {hin} heads; the cache has {H} (valid: 1..{H})")
-        if cache_head_start is None:
-            if hin != H:
-                raise ValueError(
-                    f"{name}: key has {hin} heads but the cache has {H}; pass cache_head_start "
-                    f"(valid: 0..{H - hin}) to write and view heads [cache_head_start, cache_head_start + {hin})"
-                )
-            return n, hin, 0
-        h0 = as_index("cache_head_start", cache_head_start, name)
-        if h0 < 0 or h0 + hin > H:
-            raise ValueError(
-                f"{name}: head slice [{h0}, {h0 + hin}) is outside the cache's {H} heads "
-                f"(valid cache_head_start for {hin} heads: 0..{H - hin})"
-            )
-        return n, hin, h0
-
-    def _recent_window(self, recent_window_tokens: object) -> int | None:
-        if recent_window_tokens is None:
-            return None
-        r = as_index("recent_window_tokens", recent_window_tokens, self.debug_name)
-        if r < 0:
-            raise ValueError(f"{self.debug_name}: recent_window_tokens={r} is negative (valid: None or >= 0)")
-        return r
-
     # ------------------------------------------------------------ pages and views (page_io.PageIO)
     def _structure_changed(self) -> None:
         """Pages, segments, slots or the pin changed: every cached plan is stale."""
@@ -388,140 +367,20 @@ class PagedCausalKVCache:
         L = st.local_end
         return [(st.slot_map.to_global(a, min(b, L)), b - max(a, L)) for a, b in ranges]
 
-    def _view_plan(self, ranges: list[tuple[int, int]], h0: int, hin: int) -> ViewPlan:
-        """Cached sources of the view of slot `ranges`, heads `[h0, h0 + hin)`."""
-        return self._io.view_plan(self._seq.index, self._view_spans(ranges), h0, hin)
-
-    def _build_view(self, plan: ViewPlan, h0: int, hin: int, out: torch.Tensor) -> None:
-        """Fill `out` `[2, B, T, Hin, D]` from `plan`."""
-        self._io.build_view(plan, h0, hin, out)
-
     def _zero_tokens(self, entry: RangeEntry[Segment], lo: int, hi: int) -> None:
-        """Every head of global tokens `[lo, hi)` of a dense segment := 0."""
-        self._io.fill_tokens(entry, lo, hi)
+        """Every head of global tokens `[lo, hi)` of a dense segment := `_unwritten_fill` (K, V)."""
+        kf, vf = self._unwritten_fill
+        self._io.fill_tokens(entry, lo, hi, kf, vf)
 
-    def _new_dense_segment(self, tokens: int) -> Segment:
-        return Segment(self.pool.alloc(self.layout.pages_for_tokens(tokens), self.owner))
-
-    # ------------------------------------------------------------ packing (the policy is policy.py's)
-    def _packed_net_pages(self, entry: RangeEntry[Segment]) -> int:
-        """Pages a dense segment gives back when packed (negative: packing needs more)."""
-        assert self._packed is not None
-        return len(entry.value.pages) - self._packed.pages_for_tokens(entry.end - entry.start)
-
-    def _pack(self, entry: RangeEntry[Segment]) -> bool:
-        """Replace a dense segment by its PRQ-packed form (its dense pages go back to the pool). False (and the
-        segment stays dense, unchanged) when it holds non-finite values, the pool cannot hold the packed rows, or
-        quantizing fails otherwise (`PackingFailedWarning`; retried at the next advance). Everything that can fail
-        happens before the first page changes hands."""
-        store = self._packed
-        assert store is not None and not entry.value.packed
-        if self._packed_net_pages(entry) + self.pool.num_free_pages < 0:
-            return False
-        try:
-            quantized = store.quantize(self._io.read_dense(entry))
-        except ValueError as exc:
-            self.pack_skipped += 1
-            entry.value.pack_failed = True
-            warnings.warn(f"{self.debug_name}: chunk [{entry.start}, {entry.end}) stays unpacked: {exc}", stacklevel=4)
-            return False
-        except Exception as exc:  # e.g. torch.OutOfMemoryError: this call's write must still happen
-            self.pack_skipped += 1
-            warnings.warn(
-                PackingFailedWarning(
-                    f"{self.debug_name}: packing chunk [{entry.start}, {entry.end}) failed ({type(exc).__name__}: "
-                    f"{exc}); it stays bf16 and the policy retries at the next advance"
-                ),
-                stacklevel=4,
-            )
-            return False
-        self._store_packed(entry, quantized)
-        return True
-
-    def _store_packed(self, entry: RangeEntry[Segment], quantized: QuantizedChunk) -> None:
-        """Swap a dense segment's pages for packed pages holding `quantized` (from `PackedStore.quantize`)."""
-        store = self._packed
-        assert store is not None
-        n = entry.end - entry.start
-        self.pool.free(entry.value.pages, self.owner)
-        pages = self.pool.alloc(store.pages_for_tokens(n), self.owner)
-        n_tok = store.token_pages(n)
-        store.write(pages[:n_tok], pages[n_tok:], quantized)
-        entry.value = Segment(pages, None, SegmentKind.PACKED, n_tok)
-
-    def _unpack(self, entry: RangeEntry[Segment], dense: torch.Tensor) -> None:
-        """Turn a packed segment back into dense rows holding `dense` (from `PageIO.dequantize_segment`); the policy
-        repacks it later."""
-        n = entry.end - entry.start
-        self.pool.free(entry.value.pages, self.owner)
-        entry.value = self._new_dense_segment(n)
-        entry.value.lossy = True
-        self._io.store_dense(entry, dense)
-
-    def _apply_pack_policy(self, keep_start: int, keep_end: int) -> None:
-        """After an advance: pack what `policy.pack_targets` selects (the current chunk and segments overlapping
-        `[keep_start, keep_end)`, this call's write, stay dense)."""
-        assert self.quant is not None
-        changed = False
-        for entry in layer_pack_targets(self.quant, self._seq, (keep_start, keep_end)):
-            changed |= self._pack(entry)
-        if changed:
-            self._structure_changed()
-
-    def _pressure_plan(self, deficit: int, plan: CallPlan[Segment], unpack: list[RangeEntry[Segment]]) -> list[Packing]:
-        """Dense chunks to pack early so that `deficit` more pages become free, in `policy.pressure_candidates`'
-        order, each already quantized (`(entry, QuantizedChunk)`; nothing changes here); empty if even packing all
-        of them would not be enough."""
-        excluded = {x.start for x in plan.released} | {x.start for x in unpack}
-        candidates = pressure_candidates(
-            self._seq.index, sink_segment_starts(self._seq), excluded, (plan.start, plan.end)
-        )
-        assert self._packed is not None
-        chosen: list[Packing] = []
-        for entry in candidates:
-            if deficit <= 0:
-                break
-            gain = self._packed_net_pages(entry)
-            if gain <= 0 or entry.value.pack_failed:
-                continue
-            try:
-                quantized = self._packed.quantize(self._io.read_dense(entry))
-            except ValueError:  # non-finite values: this chunk cannot be packed
-                continue
-            chosen.append((entry, quantized))
-            deficit -= gain
-        return chosen if deficit <= 0 else []
-
-    def _report_used(self) -> None:
-        """Tell the pool how many bytes of our pages hold retained rows (the rest is waste)."""
-        self.pool.set_used_bytes(self.owner, self.memory_breakdown()["used_bytes"])
 
     def memory_breakdown(self) -> dict[str, int]:
         """Exact bytes: pages held by dense and packed segments, tokens retained in each, and the bytes those
         retained rows (plus codebooks) occupy. O(segments x runs)."""
-        out = {"dense_pages": 0, "packed_pages": 0, "dense_tokens": 0, "packed_tokens": 0, "used_bytes": 0}
-        for entry, tokens in self._seq.retained_tokens():
-            seg = entry.value
-            if seg.packed:
-                assert self._packed is not None
-                out["packed_pages"] += len(seg.pages)
-                out["packed_tokens"] += tokens
-                out["used_bytes"] += self._packed.layout.used_bytes_for_tokens(tokens)
-            else:
-                out["dense_pages"] += len(seg.pages)
-                out["dense_tokens"] += tokens
-                out["used_bytes"] += self.layout.used_bytes_for_tokens(tokens)
-        out["dense_bytes"] = out["dense_pages"] * self.pool.page_bytes
-        out["packed_bytes"] = out["packed_pages"] * self.pool.page_bytes
-        return out
+        return self._packer.memory_breakdown()
 
     def _sync_cursors(self) -> None:
         st = self._seq.state
-        if self._use_int:
-            self.global_end_index_int, self.local_end_index_int = st.global_end, st.local_end
-        else:
-            self._g_tensor.fill_(st.global_end)
-            self._l_tensor.fill_(st.local_end)
+        self._on_cursors_changed(st.global_end, st.local_end)
 
     # ------------------------------------------------------------ the call
     @torch.no_grad()
@@ -576,10 +435,13 @@ class PagedCausalKVCache:
             self.debug_name = own
 
     def _update(self, key, value, current_chunk_start, cache_head_start, recent_window_tokens):
+        self._before_call("update_and_get_attention_kv")
         self._ensure_open("update_and_get_attention_kv")
-        n, hin, h0 = self._check_kv(key, value, cache_head_start)
-        s = as_index("current_chunk_start", current_chunk_start, self.debug_name)
-        r = self._recent_window(recent_window_tokens)
+        name = self.debug_name
+        shape = (self.batch_size, self._num_heads, self.head_dim)
+        n, hin, h0 = check_kv(name, key, value, cache_head_start, shape, self.dtype, self.device)
+        s = as_index("current_chunk_start", current_chunk_start, name)
+        r = recent_window(name, recent_window_tokens)
         fast_key = ("call", s, n, h0, hin, r)
         fast = self._io.cached(fast_key)
         if isinstance(fast, RepeatedCall):  # the same in-place rewrite as before (a later denoise step)
@@ -601,7 +463,7 @@ class PagedCausalKVCache:
         self._io.write(write_plan, h0, key, value)
         ranges = self._seq.view_ranges(plan.local_start, r)
         self._last_view_ranges = ranges
-        view_plan = self._view_plan(ranges, h0, hin)
+        view_plan = self._io.view_plan(self._seq.index, self._view_spans(ranges), h0, hin)
         if not plan.new_tokens and not unpack:
             self._io.remember(fast_key, RepeatedCall(plan.local_start, plan.local_end, write_plan, ranges, view_plan))
         return self._finish_view(view_plan, h0, hin, plan.local_start, plan.local_end)
@@ -611,55 +473,27 @@ class PagedCausalKVCache:
         """Commit `plan` to pages: pressure packs, released segments back to the pool, packed chunks the write
         touches unpacked, the new tokens' segment, then the pack policy. Raises PoolExhaustedError (nothing changed)
         when the pages do not fit."""
-        pressure = self._pages_fit(plan, unpack)
+        packer = self._packer
+        pressure = packer.fit(plan, unpack, self.debug_name)
         # Everything that can fail (quantize, dequantize: temporaries) is done; from here on nothing raises.
-        # Unpacks that give pages back (packed form bigger than dense, e.g. tiny chunks) go first, so the
-        # pages counted in `need` are free when each later unpack takes its own.
-        order = sorted(unpack, key=lambda x: self.layout.pages_for_tokens(x.end - x.start) - len(x.value.pages))
-        unpacked = [(x, self._io.dequantize_segment(x)) for x in order]
+        unpacked = packer.dequantize_for_unpack(unpack)
         self._structure_changed()
         for x, quantized in pressure:
-            self._store_packed(x, quantized)
+            packer.store_packed(x, quantized)
         for x in self._seq.release(plan):
             self.pool.free(x.value.pages, self.owner)
         for x, dense in unpacked:
-            self._unpack(x, dense)
-        new = self._new_dense_segment(plan.new_tokens) if plan.new_tokens else None
+            packer.unpack(x, dense)
+        new = packer.new_dense_segment(plan.new_tokens) if plan.new_tokens else None
         entry = self._seq.commit(plan, new)
         self._structure_changed()
-        if entry is not None and self._packed is not None:
-            self._apply_pack_policy(plan.start, plan.end)
-        self._report_used()
+        if entry is not None and packer.apply_policy(plan.start, plan.end, self.debug_name):
+            self._structure_changed()
+        self._packer.report_used()
         self._sync_cursors()
         if entry is not None and hin != self._num_heads:
             # Heads this call does not write read as zeros (the dense cache would show stale rolled data).
             self._zero_tokens(entry, entry.start, entry.end)
-
-    def _pages_fit(self, plan: CallPlan[Segment], unpack: list[RangeEntry[Segment]]) -> list[Packing]:
-        """The pressure packs (possibly none) that make `plan` and `unpack` fit the pool; PoolExhaustedError when
-        nothing does. Changes nothing."""
-        pool, layout = self.pool, self.layout
-        need = layout.pages_for_tokens(plan.new_tokens) if plan.new_tokens else 0
-        need += sum(layout.pages_for_tokens(x.end - x.start) - len(x.value.pages) for x in unpack)
-        freed = sum(len(x.value.pages) for x in plan.released)
-        deficit = need - (pool.num_free_pages + freed)
-        if deficit <= 0:
-            return []
-        if self._packed is not None and self.pack_under_pressure:
-            pressure = self._pressure_plan(deficit, plan, unpack)
-            if pressure:
-                return pressure
-        G = self._seq.state.global_end
-        what = f"appending {plan.new_tokens} tokens at {G}" if plan.new_tokens else ""
-        if unpack:
-            chunks = ", ".join(f"[{x.start}, {x.end})" for x in unpack)
-            what += ("; " if what else "") + f"unpacking packed chunk(s) {chunks} for the rewrite at {plan.start}"
-        hint = ""
-        if self._packed is not None and not self.pack_under_pressure:
-            hint = "; pack_under_pressure=True would pack this layer's bf16 chunks early"
-        raise pool.exhausted_error(
-            need, f"{self.debug_name}: {what} ({freed} pages freed by this call's eviction count as free{hint})"
-        )
 
     def _finish_view(self, view_plan: ViewPlan, h0: int, hin: int, ls: int, le: int):
         tokens = view_plan.tokens
@@ -668,7 +502,7 @@ class PagedCausalKVCache:
             out = self.pool.view_buffer(2 * self.batch_size * tokens * hin * self.head_dim, self.dtype).view(shape)
         else:
             out = torch.empty(shape, dtype=self.dtype, device=self.device)
-        self._build_view(view_plan, h0, hin, out)
+        self._io.build_view(view_plan, h0, hin, out)
         st = self._seq.state
         return self._view_cls(out[0], out[1], ls, le, st.local_end, st.global_end)
 
@@ -677,6 +511,7 @@ class PagedCausalKVCache:
         """Pin the last `num_tokens` filled slots as the sink (a scene cut, called after the chunk's clean pass): the
         pinned chunk starts `num_tokens` slots before the local end and is min(sink_tokens, num_tokens) long. No
         data moves. `num_tokens <= 0` or `sink_tokens == 0` unpins."""
+        self._before_call("pin_current_chunk")
         self._ensure_open("pin_current_chunk")
         self._seq.pin(as_index("num_tokens", num_tokens, self.debug_name))
         self._structure_changed()
@@ -685,19 +520,13 @@ class PagedCausalKVCache:
     def reset_indices(self) -> None:
         """Empty the cache (a grown cache_size stays) and give every page back to the pool."""
         self._ensure_open("reset_indices")
-        self._release_all()
+        self._packer.release_all()
         self._structure_changed()
         if self._use_int:
             self.global_end_index_int = self.local_end_index_int = 0
         else:
             self._g_tensor.zero_()
             self._l_tensor.zero_()
-
-    def _release_all(self) -> None:
-        """Every segment back to the pool; cursors 0, unpinned (the sequencer's `reset`)."""
-        for entry in self._seq.reset():
-            self.pool.free(entry.value.pages, self.owner)
-        self.pool.set_used_bytes(self.owner, 0)
 
     @_holding_pool_lock
     def rewind_to(self, pos: int) -> None:
@@ -716,59 +545,19 @@ class PagedCausalKVCache:
         for entry in removed:
             self.pool.free(entry.value.pages, self.owner)
         if straddler is not None:
-            self._trim_pages(straddler)
+            self._packer.trim_pages(straddler)
         self._structure_changed()
-        self._report_used()
+        self._packer.report_used()
         self._sync_cursors()
-
-    def _trim_pages(self, entry: RangeEntry[Segment]) -> None:
-        """Give back the pages a segment shortened by a rewind no longer needs (a packed one keeps its codebooks)."""
-        seg = entry.value
-        tokens = entry.end - entry.start
-        if seg.packed:
-            assert self._packed is not None
-            keep = self._packed.token_pages(tokens)
-            if keep < seg.n_token_pages:
-                self.pool.free(seg.pages[keep : seg.n_token_pages], self.owner)
-                del seg.pages[keep : seg.n_token_pages]
-                seg.n_token_pages = keep
-        else:
-            keep = self.layout.pages_for_tokens(tokens)
-            if keep < len(seg.pages):
-                self.pool.free(seg.pages[keep:], self.owner)
-                del seg.pages[keep:]
-                seg.pages_t = None
 
     @_holding_pool_lock
     def close(self) -> None:
         """Give every page back; afterwards every call raises CacheClosedError. Idempotent."""
         if self._closed:
             return
-        self._release_all()
+        self._packer.release_all()
         self._structure_changed()
         self._closed = True
-
-
-def _check_device(device: object, pool: BlockPool) -> None:
-    """CacheConfigError unless `device` names the pool's device."""
-    try:
-        dev = torch.device(device)  # type: ignore[arg-type]
-    except (RuntimeError, TypeError):
-        raise CacheConfigError(f"unknown device {device!r}") from None
-    if dev.type != pool.device.type or (dev.index is not None and dev.index != pool.device.index):
-        raise CacheConfigError(f"device {dev} differs from the pool's device {pool.device}")
-
-
-def _check_quant(quant: object, head_dim: int) -> None:
-    """CacheConfigError unless `quant` is None or a `QuantConfig` valid for `head_dim`."""
-    if quant is None:
-        return
-    if not isinstance(quant, QuantConfig):
-        raise CacheConfigError(f"quant must be a pagedqvg.QuantConfig or None, got {type(quant).__name__}")
-    try:
-        quant.validate(head_dim=head_dim)
-    except ValueError as exc:
-        raise CacheConfigError(f"quant: {exc}") from None
 
 
 def _release_owner(pool: BlockPool, owner: str) -> None:

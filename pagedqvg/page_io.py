@@ -192,6 +192,21 @@ class PageIO:
         assert isinstance(plan, ViewPlan)
         return plan
 
+    @staticmethod
+    def view_sources(index: RangeIndex[Segment], spans: Spans) -> list[tuple[int, int, str]]:
+        """Where the rows of a view of `spans` come from, in order: `(global_start, global_end, kind)` with kind
+        "dense", "packed" or "unpacked" (a dense segment marked lossy), and `(-1, count - 1, "zeros")` for `count`
+        never-filled slots. O(spans x (log n + k))."""
+        out: list[tuple[int, int, str]] = []
+        for global_ranges, zeros in spans:
+            for g0, g1 in global_ranges:
+                for entry in index.overlapping(g0, g1):
+                    kind = "unpacked" if entry.value.lossy else str(entry.value.kind)
+                    out.append((max(g0, entry.start), min(g1, entry.end), kind))
+            if zeros > 0:
+                out.append((-1, zeros - 1, "zeros"))
+        return out
+
     def _dense_only(self, index: RangeIndex[Segment], spans: Spans) -> bool:
         """Whether a view's spans are dense rows only (no zero slots, no packed segment).
         O(spans x (log n + k))."""

@@ -240,7 +240,7 @@ def set_view_run_cap(cache: PagedCausalKVCache, run_cap: int | None) -> None:
 
 def wrap_pressure_plan(cache: PagedCausalKVCache, wrap: Callable[[Callable], Callable]) -> None:
     """Replace the cache's pack-under-pressure planner by `wrap(planner)` (a spy)."""
-    cache._pressure_plan = wrap(cache._pressure_plan)
+    cache._packer.pressure_plan = wrap(cache._packer.pressure_plan)
 
 
 def sink_segment_starts(cache: PagedCausalKVCache) -> Any:
@@ -317,18 +317,20 @@ def rerun_interpreted(test_file: str) -> None:
 
 def compiled_mode_json(script: str, *args: str, **env: str) -> dict:
     """Run `script` (which prints `JSON{...}`) in a fresh compiled-mode process (TRITON_INTERPRET unset, FP fusion
-    on as on a GPU, plus `env`) and return the JSON. Skips the calling test when the script fails inside Triton's
-    internals (`triton_aot` uses some; a newer Triton may move them), fails it on any other error."""
+    on as on a GPU, plus `env`) and return the JSON. Skips the calling test only when triton is not installed; any
+    failure of the script fails it (a Triton upgrade that moves the internals `triton_aot` uses, or breaks a
+    kernel's compilation, must not pass silently)."""
+    import importlib.util
     import json
 
     import pytest
 
+    if importlib.util.find_spec("triton") is None:
+        pytest.skip("triton is not installed")
     proc = subprocess.run(
         [sys.executable, "-c", script, *args], cwd=REPO, env=clean_env(TRITON_DEFAULT_FP_FUSION="1", **env),
-        capture_output=True, text=True, timeout=600,
+        capture_output=True, text=True, timeout=900,
     )  # fmt: skip
-    if proc.returncode != 0 and re.search(r"(ImportError|AttributeError|TypeError).*triton", proc.stderr[-2000:]):
-        pytest.skip(f"this Triton version moved the internals the AOT check uses: {proc.stderr[-500:]}")
     assert proc.returncode == 0, proc.stderr[-4000:]
     return json.loads(proc.stdout.split("JSON", 1)[1])
 

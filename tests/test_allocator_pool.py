@@ -183,6 +183,23 @@ def test_view_buffer_is_reused_and_grows():
     assert c.numel() == 10_000
 
 
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device (streams)")
+def test_view_buffer_is_recorded_on_every_stream_that_uses_it(monkeypatch):
+    """On CUDA the scratch buffer is `record_stream`-ed once per (buffer, stream) that asks for it, so growing it
+    never frees memory a kernel on another stream may still read."""
+    recorded = []
+    real = torch.Tensor.record_stream
+    monkeypatch.setattr(torch.Tensor, "record_stream", lambda t, s: (recorded.append((t.data_ptr(), s)), real(t, s)))
+    pool = BlockPool(capacity_bytes=1 << 20, page_bytes=1 << 16, device="cuda")
+    a = pool.view_buffer(10, torch.float32)
+    side = torch.cuda.Stream()
+    with torch.cuda.stream(side):
+        pool.view_buffer(10, torch.float32)
+        pool.view_buffer(10, torch.float32)
+    assert [s for _, s in recorded] == [torch.cuda.current_stream(), side]
+    assert all(p == a.data_ptr() for p, _ in recorded)
+
+
 class PoolMachine(RuleBasedStateMachine):
     """Random alloc/free/double-free/foreign-free/over-budget with several owners; a model tracks ownership."""
 

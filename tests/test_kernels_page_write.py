@@ -156,10 +156,7 @@ for name in ("_page_write_kernel", "_page_fill_kernel", "_view_build_kernel"):
     params[name] = {"constexpr": [p.name for p in k.params if p.is_constexpr],
                     "not_specialized": [p.name for p in k.params if p.do_not_specialize]}
 result["params"] = params
-try:
-    result["report"] = triton_aot.report(arch=90, compile_kernels=len(sys.argv) > 1 and sys.argv[1] == "compile")
-except (ImportError, AttributeError, TypeError) as exc:
-    result["report_error"] = f"{type(exc).__name__}: {exc}"
+result["report"] = triton_aot.report(arch=90, compile_kernels=len(sys.argv) > 1 and sys.argv[1] == "compile")
 print("JSON" + json.dumps(result))
 """
 
@@ -178,8 +175,6 @@ def test_compiled_mode_one_specialization_per_layer_shape_and_ptx():
         assert "num_rows" in p["not_specialized"], name
     for name in ("_page_write_kernel", "_view_build_kernel"):
         assert {"n_tokens", "head_start", "num_heads_in"} <= set(result["params"][name]["not_specialized"])
-    if "report_error" in result:
-        pytest.skip(f"this Triton version moved the internals the AOT check uses: {result['report_error']}")
     for shape, entry in result["report"]["shapes"].items():
         for kname, k in entry.items():
             if isinstance(k, dict):

@@ -340,3 +340,58 @@ def test_segment_nbytes() -> None:
     seg = prq_quantize(torch.randn(100, 2, 128).bfloat16(), INT2)
     assert isinstance(seg, PRQSegment)
     assert seg.nbytes == 100 * 70 + 2 * 128 * 128 * 2 == seg.token_rows.numel() + seg.codebooks.numel() * 2
+
+
+def test_matmul_precision_is_read_never_written(monkeypatch) -> None:
+    """PRQ changes no process-global state: `torch.set_float32_matmul_precision` and the per-backend precision
+    settings are never written (a write would raise here). Under IEEE settings (the default) the fp32 BLAS path
+    runs (bytes as always); under reduced settings (TF32/bf16 allowed) the matmuls run in fp64 rounded to fp32, whose
+    assignments and means satisfy the same fp32 contract."""
+    from pagedqvg.quant import prq
+
+    assert torch.get_float32_matmul_precision() == "highest"
+    assert not prq.fp32_matmul_may_reduce(torch.device("cpu"))
+    g = torch.Generator().manual_seed(5)
+    x, c = torch.randn(3, 200, 32, generator=g), torch.randn(3, 16, 32, generator=g)
+    ids_ieee = assign_nearest(x, c)
+    means_ieee = update_means(x, ids_ieee, c)
+    kv = torch.randn(64, 2, 32, generator=g).to(torch.bfloat16)
+    seg = prq_quantize(kv, QuantConfig(bits=2, centroids=8, block_size=32))
+
+    def refuse(*args, **kwargs):
+        raise AssertionError("PRQ wrote a process-global matmul precision setting")
+
+    monkeypatch.setattr(torch, "set_float32_matmul_precision", refuse)
+    again = prq_quantize(kv, QuantConfig(bits=2, centroids=8, block_size=32))
+    assert torch.equal(again.token_rows, seg.token_rows) and torch.equal(again.codebooks, seg.codebooks)
+
+    monkeypatch.setattr(prq, "fp32_matmul_may_reduce", lambda device: True)  # as under TF32 / bf16 settings
+    ids_fp64 = assign_nearest(x, c)
+    check_near_ties(x, c, ids_fp64, ids_ieee)
+    check_means(x, ids_ieee, c, update_means(x, ids_ieee, c), means_ieee)
+
+
+def test_fp32_matmul_may_reduce_reads_the_settings() -> None:
+    """`fp32_matmul_may_reduce` follows torch's legacy and per-backend precision settings (in a fresh process, so
+    this test's process keeps its defaults)."""
+    import subprocess
+    import sys
+
+    script = """
+import torch
+from pagedqvg.quant.prq import fp32_matmul_may_reduce as r
+cpu, cuda = torch.device("cpu"), torch.device("cuda", 1)
+out = [r(cpu), r(cuda)]
+torch.set_float32_matmul_precision("high")
+out += [r(cpu), r(cuda)]
+torch.set_float32_matmul_precision("highest")
+out += [r(cpu), r(cuda)]
+torch.backends.cuda.matmul.fp32_precision = "tf32"
+out += [r(cuda)]
+torch.backends.cuda.matmul.fp32_precision = "ieee"
+out += [r(cuda), r(torch.device("meta"))]
+print(out)
+"""
+    proc = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert proc.stdout.strip() == str([False, False, True, True, False, False, True, False, False])

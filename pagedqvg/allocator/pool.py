@@ -154,6 +154,7 @@ class BlockPool:
         self._owner_serial = 0
         self._view_buffer: torch.Tensor | None = None
         self._view_buffer_last: tuple[int, torch.dtype, torch.Tensor] | None = None
+        self._view_buffer_streams: set = set()  # CUDA streams recorded on the buffer (record_stream)
         #: Held by every method that reads or changes the page tables, and by caches across check-then-act calls.
         self.lock = threading.RLock()
         self._deferred: deque[str] = deque()  # owners whose pages go back at the next pool operation
@@ -226,7 +227,15 @@ class BlockPool:
         """A reusable 1-D scratch tensor of `numel` elements, shared by every cache of this pool.
 
         Valid until the next call that asks for it; it grows (never shrinks) and lives outside the page budget.
+
+        CUDA streams: the buffer is `record_stream`-ed on every stream that asks for it, so when it grows its old
+        memory is not handed to another allocation before the work queued on those streams is done. The contents
+        follow stream order only: a view is valid until the next `view_buffer` call, so a caller that builds views
+        on one stream and the next on another must make the second stream wait for the readers of the first view
+        (`stream.wait_stream`, or an event), as with any tensor reused across streams; one stream needs nothing.
         """
+        if self.device.type == "cuda":
+            self._record_view_stream()
         last = self._view_buffer_last
         if last is not None and last[0] == numel and last[1] == dtype:
             return last[2]
@@ -235,9 +244,21 @@ class BlockPool:
         if buf is None or buf.numel() < nbytes:
             buf = torch.empty(max(nbytes, 1), dtype=torch.uint8, device=self.device)
             self._view_buffer = buf
+            self._view_buffer_streams = set()
+            self._record_view_stream()
         typed = buf[:nbytes].view(dtype)
         self._view_buffer_last = (numel, dtype, typed)
         return typed
+
+    def _record_view_stream(self) -> None:
+        """`record_stream` the view buffer on the current CUDA stream, once per (buffer, stream)."""
+        buf = self._view_buffer
+        if buf is None or buf.device.type != "cuda":
+            return
+        stream = torch.cuda.current_stream(buf.device)
+        if stream not in self._view_buffer_streams:
+            self._view_buffer_streams.add(stream)
+            buf.record_stream(stream)
 
     # ------------------------------------------------------------ ownership
     @_locked

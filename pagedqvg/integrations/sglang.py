@@ -38,7 +38,6 @@ from ..cache import PagedCausalKVCache
 from ..errors import CacheConfigError, IntegrationError
 from ..quant import QuantConfig
 from ..quant.config import SGLANG_KEYS
-from ..segment import Segment
 from ..validation import SUPPORTED_DTYPES
 from ..view import CausalAttentionKVView
 
@@ -223,85 +222,75 @@ def _check_start(label: str, g0: int, l0: int, pinned_start: int, pinned_len: in
 class _SGLangSurface(PagedCausalKVCache):
     """What both SGLang-compatible classes add to `PagedCausalKVCache`: settable `sink_tokens` /
     `attention_window_size` / `allow_growth`, `pinned_start` / `pinned_len`, `reset_pinned_sink()`, the read-only
-    materialized `k` / `v`, the dense cache's dtype cast, and fill values for never-written data."""
+    materialized `k` / `v`, the dense cache's dtype cast, and fill values for never-written data.
 
-    _fill: tuple[float, float] = (0.0, 0.0)
+    Built on the base's public API and its documented extension points only (`_view_cls`, `_unwritten_fill`,
+    `_before_call`, `_on_cursors_changed`, `_set_spec`, `_unpin`, `_read_slots`, `_adopt`)."""
 
     # ---------------------------------------------------------------- settable configuration (validated)
     @property
     def sink_tokens(self) -> int:
         """Tokens kept at the front when the window rolls; settable (an int >= 0, as the dense dataclass field);
         takes effect at the next call."""
-        return self._seq.spec.sink_tokens
+        return super().sink_tokens
 
     @sink_tokens.setter
     def sink_tokens(self, value: int) -> None:
         if isinstance(value, bool) or not isinstance(value, int) or value < 0:
             raise CacheConfigError(f"{self.debug_name}: sink_tokens must be an int >= 0, got {value!r}")
-        self._seq.spec = self._seq.spec.with_(sink_tokens=value)
-        self._structure_changed()
+        self._set_spec(sink_tokens=value)
 
     @property
     def attention_window_size(self) -> int:
         """Slots a view covers; settable (an int >= 1; the dense cache's 0 = cache_size applies only at
         construction)."""
-        return self._seq.spec.window
+        return super().attention_window_size
 
     @attention_window_size.setter
     def attention_window_size(self, value: int) -> None:
         if isinstance(value, bool) or not isinstance(value, int) or value < 1:
             raise CacheConfigError(
                 f"{self.debug_name}: attention_window_size must be an int >= 1 (slots), got {value!r}; "
-                f"cache_size is {self._seq.spec.cache_size}"
+                f"cache_size is {self.cache_size}"
             )
-        self._seq.spec = self._seq.spec.with_(window=value)
-        self._structure_changed()
+        self._set_spec(window=value)
 
     @property
     def allow_growth(self) -> bool:
         """Whether an advance that does not fit grows `cache_size` (to max(needed, 2 x cache_size)) instead of
         rolling; settable (a bool)."""
-        return self._seq.spec.allow_growth
+        return super().allow_growth
 
     @allow_growth.setter
     def allow_growth(self, value: bool) -> None:
         if not isinstance(value, bool):
             raise CacheConfigError(f"{self.debug_name}: allow_growth must be a bool, got {value!r}")
-        self._seq.spec = self._seq.spec.with_(allow_growth=value)
+        self._set_spec(allow_growth=value)
 
     @property
     def pinned_start(self) -> int:
         """The slot where the pinned chunk starts, -1 when nothing is pinned (see `pin_current_chunk`)."""
-        return self._seq.state.pin_start
+        return self.pinned_range[0]
 
     @property
     def pinned_len(self) -> int:
         """The pinned chunk's length in tokens (0 when nothing is pinned)."""
-        return self._seq.state.pin_len
+        return self.pinned_range[1]
 
     def reset_pinned_sink(self) -> None:
         """Unpin (`pinned_start = -1`, `pinned_len = 0`); no data moves."""
-        self._ensure_open("reset_pinned_sink")
-        self._seq.unpin()
-        self._structure_changed()
+        self._unpin("reset_pinned_sink")
 
     # ---------------------------------------------------------------- the dense buffers, materialized
     def _materialize(self) -> tuple[torch.Tensor, torch.Tensor]:
-        self._ensure_open("k / v")
-        B, C, H, D = self.batch_size, self.cache_size, self._num_heads, self.head_dim
-        k = torch.empty(B, C, H, D, dtype=self.dtype, device=self.device)
+        out = self._read_slots("k / v")
+        C, L = self.cache_size, out.shape[2]
+        k = torch.empty(self.batch_size, C, self.num_cache_heads, self.head_dim, dtype=self.dtype, device=self.device)
         v = torch.empty_like(k)
-        L = min(self._seq.state.local_end, C)
-        if L:
-            saved = self._last_view_ranges
-            plan = self._view_plan([(0, L)], 0, H)
-            out = torch.empty(2, B, plan.tokens, H, D, dtype=self.dtype, device=self.device)
-            self._build_view(plan, 0, H, out)
-            self._last_view_ranges = saved
-            k[:, :L].copy_(out[0])
-            v[:, :L].copy_(out[1])
-        k[:, L:].fill_(self._fill[0])
-        v[:, L:].fill_(self._fill[1])
+        k[:, :L].copy_(out[0])
+        v[:, :L].copy_(out[1])
+        k[:, L:].fill_(self._unwritten_fill[0])
+        v[:, L:].fill_(self._unwritten_fill[1])
         return k, v
 
     @property
@@ -343,24 +332,6 @@ class _SGLangSurface(PagedCausalKVCache):
             debug_name=debug_name,
         )
 
-    def _zero_tokens(self, entry, lo: int, hi: int) -> None:
-        """Never-written heads of new tokens read the fill value (0 unless the constructor's buffer was uniform)."""
-        kf, vf = self._fill
-        self._io.fill_tokens(entry, lo, hi, kf, vf)
-
-    def _adopt_cursors(self, g: int, local: int, pin_start: int, pin_len: int) -> None:
-        """Start at global end `g` and local end `local` (construction with non-zero cursors, validated by the
-        caller: 0 <= local <= min(g, cache_size), pin inside [0, local)): slots `[0, local)` hold tokens
-        `[g - local, g)`, never written, reading the fill value; they take pool pages like any chunk. Rewrites of
-        those tokens and appends at `g` work as after real writes. PoolExhaustedError if they do not fit."""
-        seg = Segment(self.pool.alloc(self.layout.pages_for_tokens(local), self.owner)) if local else None
-        self._seq.adopt(g, local, pin_start, pin_len, seg)
-        if local:
-            entry = self._seq.index.find(g - local)
-            assert entry is not None
-            self._zero_tokens(entry, g - local, g)
-        self._structure_changed()
-        self._report_used()
 
 
 class PagedCausalSelfAttentionKVCache(_SGLangSurface):
@@ -441,8 +412,8 @@ class PagedCausalSelfAttentionKVCache(_SGLangSurface):
             name=label,
         )
         self._view_cls = _sglang_view_cls()
-        self._fill = (_uniform_value(k), _uniform_value(v))
-        self._g_tensor, self._l_tensor = g_t, l_t
+        self._unwritten_fill = (_uniform_value(k), _uniform_value(v))
+        self._cursor_tensors = (g_t, l_t)  # SGLang's own tensors (any integer dtype), kept current
         self.global_end_index_int, self.local_end_index_int = g_int, l_int
         # Inconsistent cursors (e.g. a local end past cache_size) are kept as given, as the dense dataclass keeps
         # them; they must be reset (reset_indices) before the cache is used.
@@ -452,7 +423,7 @@ class PagedCausalSelfAttentionKVCache(_SGLangSurface):
                 if l0 > self.cache_size:
                     self._stale = (g0, l0)
                 else:
-                    self._adopt_cursors(g0, l0, pinned_start, pinned_len)
+                    self._adopt(g0, l0, pinned_start, pinned_len)
         except BaseException:
             self.close()
             raise
@@ -466,35 +437,37 @@ class PagedCausalSelfAttentionKVCache(_SGLangSurface):
                 f"min(global, cache_size)); call reset_indices() first"
             )
 
-    def _update(self, key, value, current_chunk_start, cache_head_start, recent_window_tokens):
-        self._check_fresh("update_and_get_attention_kv")
-        return super()._update(key, value, current_chunk_start, cache_head_start, recent_window_tokens)
+    @property
+    def global_end_index(self) -> torch.Tensor:
+        """The constructor's `global_end_index` tensor (the same object), kept current."""
+        return self._cursor_tensors[0]
 
-    def pin_current_chunk(self, num_tokens: int) -> None:
-        """`PagedCausalKVCache.pin_current_chunk` (pin the last `num_tokens` slots as the sink; scene cut)."""
-        self._check_fresh("pin_current_chunk")
-        super().pin_current_chunk(num_tokens)
+    @property
+    def local_end_index(self) -> torch.Tensor:
+        """The constructor's `local_end_index` tensor (the same object), kept current."""
+        return self._cursor_tensors[1]
 
-    def _materialize(self) -> tuple[torch.Tensor, torch.Tensor]:
-        self._check_fresh("k / v")
-        return super()._materialize()
+    def _before_call(self, what: str) -> None:
+        """Extension point of the base: refuse every call (`what`) until a cache constructed with impossible
+        cursors is reset."""
+        self._check_fresh(what)
 
-    def _sync_cursors(self) -> None:
-        """Both cursor forms, as the dense cache: the ints always, the tensors whenever a cursor changed."""
-        G, L = self._seq.state.global_end, self._seq.state.local_end
-        if (self.global_end_index_int, self.local_end_index_int) == (G, L):
+    def _on_cursors_changed(self, global_end: int, local_end: int) -> None:
+        """Extension point of the base: both cursor forms, as the dense cache: the ints always, the tensors whenever
+        a cursor changed."""
+        if (self.global_end_index_int, self.local_end_index_int) == (global_end, local_end):
             return
-        self.global_end_index_int, self.local_end_index_int = G, L
-        self._g_tensor.fill_(G)
-        self._l_tensor.fill_(L)
+        self.global_end_index_int, self.local_end_index_int = global_end, local_end
+        self._cursor_tensors[0].fill_(global_end)
+        self._cursor_tensors[1].fill_(local_end)
 
     def reset_indices(self) -> None:
         """Empty the cache as the dense one does: cursors 0 (both forms, the same tensors), unpinned, every page
         back to the pool; a grown cache_size stays."""
         self._stale = None
         super().reset_indices()
-        self._g_tensor.zero_()
-        self._l_tensor.zero_()
+        self._cursor_tensors[0].zero_()
+        self._cursor_tensors[1].zero_()
         if self.global_end_index_int is not None:
             self.global_end_index_int = 0
         if self.local_end_index_int is not None:
@@ -638,13 +611,13 @@ class PagedQVGPackedCausalKVCache(_SGLangSurface):
     @property
     def num_heads(self) -> int:
         """Cache heads (SGLang's QVG attribute name; `num_cache_heads` is the same)."""
-        return self._num_heads
+        return self.num_cache_heads
 
     def reset_indices(self) -> None:
         """Empty the cache (every page back to the pool); cursors 0 in both forms, as SGLang's QVG cache."""
         super().reset_indices()
-        self._g_tensor.zero_()
-        self._l_tensor.zero_()
+        self.global_end_index.zero_()
+        self.local_end_index.zero_()
 
 
 # ------------------------------------------------------------------------------------------------ install

@@ -11,7 +11,8 @@ These use Triton internals (`create_function_from_signature`, `JITFunction._pack
 checks, not part of any data path, and raise ImportError/AttributeError when a Triton version moves them. The
 kernels must be real `JITFunction`s: run with TRITON_INTERPRET unset. Meta tensors stand in for data (no memory).
 
-`python -m pagedqvg.kernels.triton_aot` prints a JSON report over the LingBot-World and LongLive2 layer shapes.
+`python -m pagedqvg.kernels.triton_aot` prints a JSON report over the LingBot-World and LongLive2 layer shapes;
+`--report` prints registers, spills and shared memory of every kernel at every model shape (triton_resources.py).
 """
 
 from __future__ import annotations
@@ -61,17 +62,61 @@ def specialization_key(launch, arch: int = 90) -> str:
     return str(specialization)
 
 
-def compile_ptx(launch, arch: int = 90) -> str:
-    """PTX of `launch` compiled for `sm_{arch}` (CPU only: Triton's frontend, LLVM and the bundled ptxas)."""
+def compile_kernel(launch, arch: int = 90):
+    """`launch` compiled for `sm_{arch}` (CPU only: Triton's frontend, LLVM and the bundled ptxas), a Triton
+    `CompiledKernel` (`.asm["ptx"]`, `.asm["cubin"]`, `.metadata.shared`). Any compile error propagates."""
     import triton
     from triton.compiler import ASTSource
 
     kernel, _grid, args, kwargs = launch
     backend, bound, specialization, options = _bind(kernel, args, kwargs, arch)
     options, signature, constexprs, attrs = kernel._pack_args(backend, kwargs, bound, specialization, options)
-    compiled = triton.compile(ASTSource(kernel, signature, constexprs, attrs), target=_target(arch),
-                              options=options.__dict__)  # fmt: skip
-    return compiled.asm["ptx"]
+    return triton.compile(ASTSource(kernel, signature, constexprs, attrs), target=_target(arch),
+                          options=options.__dict__)  # fmt: skip
+
+
+def compile_ptx(launch, arch: int = 90) -> str:
+    """PTX of `launch` compiled for `sm_{arch}` (see `compile_kernel`)."""
+    return compile_kernel(launch, arch).asm["ptx"]
+
+
+_PTXAS_USED = re.compile(r"Used (\d+) registers")
+_PTXAS_SPILL = re.compile(r"(\d+) bytes spill stores, (\d+) bytes spill loads")
+_PTXAS_STACK = re.compile(r"(\d+) bytes stack frame")
+
+
+def ptxas_resources(ptx: str, arch: int = 90) -> dict[str, int]:
+    """Registers per thread, spill stores/loads and stack frame (bytes per thread) of the one kernel in `ptx`, from
+    `ptxas -v` run exactly as Triton runs it for `sm_{arch}` (its bundled ptxas, `-lineinfo --regAllocOptLevel=2`).
+    Raises RuntimeError when ptxas fails or its report cannot be parsed."""
+    import os
+    import subprocess
+    import tempfile
+
+    from triton.backends.nvidia.compiler import get_ptxas, sm_arch_from_capability
+
+    with tempfile.TemporaryDirectory() as tmp:
+        src = os.path.join(tmp, "k.ptx")
+        with open(src, "w") as f:
+            f.write(ptx)
+        cmd = [get_ptxas(arch).path, "-lineinfo", "-v", "--regAllocOptLevel=2",
+               f"--gpu-name={sm_arch_from_capability(arch)}", src, "-o", os.path.join(tmp, "k.cubin")]  # fmt: skip
+        proc = subprocess.run(cmd, capture_output=True, text=True)
+    log = proc.stdout + proc.stderr
+    used, spill, stack = _PTXAS_USED.search(log), _PTXAS_SPILL.search(log), _PTXAS_STACK.search(log)
+    if proc.returncode != 0 or not (used and spill and stack):
+        raise RuntimeError(f"ptxas -v failed (rc {proc.returncode}): {log[-2000:]}")
+    return {"registers": int(used.group(1)), "spill_stores": int(spill.group(1)), "spill_loads": int(spill.group(2)),
+            "stack": int(stack.group(1))}  # fmt: skip
+
+
+def compile_resources(launch, arch: int = 90) -> dict:
+    """Registers, spills (ptxas -v), shared memory (bytes, Triton's metadata) and warps of `launch` at `sm_{arch}`."""
+    compiled = compile_kernel(launch, arch)
+    out = ptxas_resources(compiled.asm["ptx"], arch)
+    out["shared"] = int(compiled.metadata.shared)
+    out["num_warps"] = int(compiled.metadata.num_warps)
+    return out
 
 
 def ptx_access_counts(ptx: str) -> dict[str, int]:
@@ -153,10 +198,29 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--arch", type=int, default=90, help="CUDA compute capability as an int (90 = H100/H200)")
     parser.add_argument("--no-compile", action="store_true", help="only the specialization keys (fast)")
+    parser.add_argument("--report", action="store_true",
+                        help="registers, spills and shared memory of every kernel at the model shapes (a table)")
+    parser.add_argument("--json", action="store_true", help="with --report: the rows as JSON")
     args = parser.parse_args(argv)
+    if args.report:
+        from . import triton_resources
+
+        rows = triton_resources.report(args.arch)
+        if args.json:
+            print(json.dumps(rows))
+        else:
+            print(f"sm_{args.arch}, ptxas -v of the triton {_triton_version()} wheel, batch 1, bf16")
+            print(triton_resources.format_table(rows))
+        return 0
     json.dump(report(args.arch, not args.no_compile), sys.stdout, indent=1)
     print()
     return 0
+
+
+def _triton_version() -> str:
+    import triton
+
+    return triton.__version__
 
 
 if __name__ == "__main__":

@@ -1,6 +1,8 @@
 """Triton packed view build: the same signature and result as `packed_dequant_torch` (dequant.py), in one launch.
 
-Grid: `(P, cdiv(min(tokens_per_page, T), BLOCK_R), 2 * B * cdiv(heads, HEADS_PER_BLOCK))`. Program `(p, i, g)` reads
+Grid: `(P * 2 * B * head_blocks, cdiv(min(tokens_per_page, T), BLOCK_R))`, `head_blocks = cdiv(heads,
+HEADS_PER_BLOCK)`; axis 0 folds `(p, g)` (`p = x // (2 * B * head_blocks)`, `g = x % ...`) so the column groups
+never meet CUDA's 65535 limit of axes y/z. Program `(p, i, g)` reads
 piece `p` of the piece table (pieces of one or several packed segments), token slots
 `first + [i * BLOCK_R, (i + 1) * BLOCK_R)` (masked to the piece's count), of one (kv, b) = `g // head_blocks` and
 `HEADS_PER_BLOCK` heads of the requested slice, as a `[BLOCK_R, HEADS_PER_BLOCK, BLOCK_D]` tile. Everything happens
@@ -35,7 +37,7 @@ import triton.language as tl
 
 from ..quant import PackedFormat
 from .dequant import check_packed_dequant
-from .triton_common import NUM_WARPS, cdiv, is_interpreted, tile_for
+from .triton_common import NUM_WARPS, cdiv, is_interpreted, launch_on_device, tile_for
 
 _RUNTIME = ["num_tokens", "batch", "num_heads", "head_start", "heads", "head_blocks", "cb_rows_per_page"]
 
@@ -147,9 +149,12 @@ def _packed_dequant_kernel(
     STAGES: tl.constexpr, PER_HEAD_BYTES: tl.constexpr, SCALES_OFFSET: tl.constexpr, ZEROS_OFFSET: tl.constexpr,
     IDS_OFFSET: tl.constexpr, OUT_KIND: tl.constexpr, CB_FP8: tl.constexpr,
 ):  # fmt: skip
-    pid_p = tl.program_id(0)
+    # Axis 0 folds (piece, column group): P * 2 * B * head_blocks programs fit CUDA's 2^31 - 1 on x, where the
+    # column groups alone could exceed the 65535 of axis y/z.
+    groups = 2 * batch * head_blocks
+    pid_p = tl.program_id(0) // groups
+    pid_g = tl.program_id(0) % groups
     pid_r = tl.program_id(1)
-    pid_g = tl.program_id(2)
     kvb = pid_g // head_blocks
     hblock = pid_g % head_blocks
     kv = kvb // batch
@@ -234,7 +239,7 @@ def packed_dequant_launch(
     codebooks = kernel_codebooks(codebooks)
     tile = tile_for(d, fmt.num_heads, block_rows, block_cols, interpreted=is_interpreted(_packed_dequant_kernel))
     head_blocks = cdiv(heads, tile.heads_per_block)
-    grid = (P, cdiv(min(tokens.shape[1], T), tile.block_r), 2 * B * head_blocks)
+    grid = (P * 2 * B * head_blocks, cdiv(min(tokens.shape[1], T), tile.block_r))
     args = (
         tokens, *tokens.stride()[:4],
         codebooks, *codebooks.stride(),
@@ -265,6 +270,4 @@ def packed_dequant_triton(
     launch = packed_dequant_launch(
         tokens, codebooks, pieces, cb_pages, head_start, out_t, fmt, block_rows=block_rows, block_cols=block_cols
     )
-    if launch is not None:
-        kernel, grid, args, kwargs = launch
-        kernel[grid](*args, **kwargs)
+    launch_on_device("packed_dequant", launch)

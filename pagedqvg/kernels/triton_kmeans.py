@@ -3,12 +3,14 @@
 
 Assignment.
 
-Grid: `(cdiv(S, BLOCK_S), H)`. Program `(i, h)` holds `BLOCK_S` tokens of head `h` (`[BLOCK_S, BLOCK_D]` in
-registers) and walks the centroids in tiles of `BLOCK_K`: `||c||^2` of the tile, `x.c` with an fp32 `tl.dot`
-(`input_precision="ieee"`: no TF32), `dist = ||c||^2 - 2 x.c` (the reference's expression), then a running argmin
-that keeps the first minimum (within a tile `tl.argmin` breaks ties to the left; across tiles only a strictly
-smaller distance replaces the best). Memory: one `[BLOCK_S, BLOCK_K]` tile of distances per program; the `[S, K]`
-matrix never exists.
+Grid: `(cdiv(S, BLOCK_S), H)`. Program `(i, h)` takes `BLOCK_S` tokens of head `h` and walks the centroids in
+tiles of `BLOCK_K`: `||c||^2` of the tile, `x.c` with an fp32 `tl.dot` (`input_precision="ieee"`: no TF32),
+accumulated over slices of `BLOCK_DK` channels, so only a `[BLOCK_S, BLOCK_DK]` token slice and a
+`[BLOCK_K, BLOCK_DK]` centroid slice are live (the token slices are re-read per centroid tile, from L1/L2; holding
+the whole `[BLOCK_S, D]` rows spilled ~12.5 KB per thread at sm_90), `dist = ||c||^2 - 2 x.c` (the reference's
+expression), then a running argmin that keeps the first minimum (within a tile `tl.argmin` breaks ties to the
+left; across tiles only a strictly smaller distance replaces the best). Memory: one `[BLOCK_S, BLOCK_K]` tile of
+distances per program; the `[S, K]` matrix never exists.
 
 Why ids can differ from the reference: see kmeans.py (fp32 summation order of the dot products and norms).
 
@@ -30,13 +32,23 @@ import triton
 import triton.language as tl
 
 from .kmeans import check_kmeans_assign, check_kmeans_update
-from .triton_common import NUM_WARPS, cdiv, is_interpreted, next_pow2
+from .triton_common import NUM_WARPS, cdiv, is_interpreted, launch_on_device, next_pow2
 
 _RUNTIME = ["os0", "num_tokens", "num_centroids"]  # os0 = S for a contiguous out
 #: Tokens per program (compiled / interpreted) and centroids per tile.
 BLOCK_S, BLOCK_S_INTERPRETED, BLOCK_K = 64, 256, 64
+#: Assignment: channels per slice of the dot product.
+BLOCK_DK = 32
 #: Update kernel: at most this many fp32 sums ([centroids, head_dim]) per program.
 UPDATE_TILE_ELEMS = 4096
+
+
+def kmeans_warps(block_d: int) -> int:
+    """Warps per program of both k-means kernels for a padded head_dim `block_d` (ptxas -v, sm_90, Triton 3.9, at
+    head_dim 128: assign 64x64 tiles with 32-channel slices, 4 warps: 255 registers and 860 B spills per thread, 8
+    warps: 110 registers, 0 spills; update 64 tokens x 32 centroids, 4 warps: 8 B spills, 8 warps: 128 registers, 0
+    spills). Pinned by tests/test_kernels_compile_resources.py."""
+    return 8 if block_d >= 128 else NUM_WARPS
 
 
 @triton.jit(do_not_specialize=_RUNTIME)
@@ -46,25 +58,30 @@ def _kmeans_assign_kernel(
     out_ptr, os0, os1,  # int64 [H, S]
     num_tokens, num_centroids,
     HEAD_DIM: tl.constexpr, BLOCK_S: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_D: tl.constexpr,
+    BLOCK_DK: tl.constexpr,
 ):  # fmt: skip
     pid_s = tl.program_id(0)
     h = tl.program_id(1).to(tl.int64)
     s = pid_s * BLOCK_S + tl.arange(0, BLOCK_S)
-    d = tl.arange(0, BLOCK_D)
     smask = s < num_tokens
-    dmask = d < HEAD_DIM
-    x = tl.load(x_ptr + h * xs0 + (s * xs1)[:, None] + (d * xs2)[None, :], mask=smask[:, None] & dmask[None, :],
-                other=0.0)  # fmt: skip
+    x_rows = x_ptr + h * xs0 + (s * xs1)[:, None]  # [BLOCK_S, 1]
 
     best = tl.full([BLOCK_S], float("inf"), tl.float32)
     best_id = tl.zeros([BLOCK_S], tl.int32)
     for k0 in range(0, num_centroids, BLOCK_K):
         k = k0 + tl.arange(0, BLOCK_K)
         kmask = k < num_centroids
-        c = tl.load(c_ptr + h * cs0 + (k * cs1)[:, None] + (d * cs2)[None, :], mask=kmask[:, None] & dmask[None, :],
-                    other=0.0)  # fmt: skip
-        cn = tl.sum(c * c, axis=1)  # [BLOCK_K]
-        dot = tl.dot(x, tl.trans(c), input_precision="ieee")  # [BLOCK_S, BLOCK_K]
+        c_rows = c_ptr + h * cs0 + (k * cs1)[:, None]  # [BLOCK_K, 1]
+        cn = tl.zeros([BLOCK_K], tl.float32)
+        dot = tl.zeros([BLOCK_S, BLOCK_K], tl.float32)
+        # Channels in slices of BLOCK_DK: only [BLOCK_S + BLOCK_K, BLOCK_DK] operands live at once (no spills).
+        for d0 in tl.static_range(0, BLOCK_D, BLOCK_DK):
+            d = d0 + tl.arange(0, BLOCK_DK)
+            dmask = d < HEAD_DIM
+            x = tl.load(x_rows + (d * xs2)[None, :], mask=smask[:, None] & dmask[None, :], other=0.0)
+            c = tl.load(c_rows + (d * cs2)[None, :], mask=kmask[:, None] & dmask[None, :], other=0.0)
+            cn += tl.sum(c * c, axis=1)  # [BLOCK_K]
+            dot = tl.dot(x, tl.trans(c), acc=dot, input_precision="ieee")  # [BLOCK_S, BLOCK_K]
         dist = cn[None, :] - 2.0 * dot
         dist = tl.where(kmask[None, :], dist, float("inf"))
         tile_min, tile_arg = tl.min(dist, axis=1, return_indices=True, return_indices_tie_break_left=True)
@@ -85,7 +102,9 @@ def kmeans_assign_launch(x: torch.Tensor, c: torch.Tensor, out: torch.Tensor):
     block_s = BLOCK_S_INTERPRETED if is_interpreted(_kmeans_assign_kernel) else BLOCK_S
     grid = (cdiv(S, block_s), H)
     args = (x, *x.stride(), c, *c.stride(), out, *out.stride(), S, c.shape[1])
-    kwargs = dict(HEAD_DIM=D, BLOCK_S=block_s, BLOCK_K=BLOCK_K, BLOCK_D=max(16, next_pow2(D)), num_warps=NUM_WARPS)
+    block_d = max(16, next_pow2(D))
+    kwargs = dict(HEAD_DIM=D, BLOCK_S=block_s, BLOCK_K=BLOCK_K, BLOCK_D=block_d, BLOCK_DK=min(block_d, BLOCK_DK),
+                  num_warps=kmeans_warps(block_d))  # fmt: skip
     return _kmeans_assign_kernel, grid, args, kwargs
 
 
@@ -93,9 +112,7 @@ def kmeans_assign_triton(x: torch.Tensor, c: torch.Tensor) -> torch.Tensor:
     """`kmeans_assign_torch` in one Triton launch: x [H, S, D], c [H, K, D] float32 -> int64 [H, S]."""
     out = torch.empty(x.shape[0], x.shape[1], dtype=torch.int64, device=x.device)
     launch = kmeans_assign_launch(x, c, out)
-    if launch is not None:
-        kernel, grid, args, kwargs = launch
-        kernel[grid](*args, **kwargs)
+    launch_on_device("kmeans_assign", launch)
     return out
 
 
@@ -143,11 +160,11 @@ def kmeans_update_launch(x: torch.Tensor, ids: torch.Tensor, c_old: torch.Tensor
     block_s = BLOCK_S_INTERPRETED if is_interpreted(_kmeans_update_kernel) else BLOCK_S
     block_d = max(16, next_pow2(D))
     # Centroids per program: the [BLOCK_K, D] fp32 sums and the [BLOCK_S, D] token tile live in registers, so fewer
-    # centroids per program for wide heads (ptxas, sm_90, 4 warps: BLOCK_K 64 spills at D=128; 32 does not).
+    # centroids per program for wide heads (see `kmeans_warps` for the measured registers and spills).
     block_k = max(16, min(BLOCK_K, UPDATE_TILE_ELEMS // block_d))
     grid = (cdiv(K, block_k), H)
     args = (x, *x.stride(), ids, *ids.stride(), c_old, *c_old.stride(), out, *out.stride(), S, K)
-    kwargs = dict(HEAD_DIM=D, BLOCK_S=block_s, BLOCK_K=block_k, BLOCK_D=block_d, num_warps=NUM_WARPS)
+    kwargs = dict(HEAD_DIM=D, BLOCK_S=block_s, BLOCK_K=block_k, BLOCK_D=block_d, num_warps=kmeans_warps(block_d))
     return _kmeans_update_kernel, grid, args, kwargs
 
 
@@ -155,7 +172,5 @@ def kmeans_update_triton(x: torch.Tensor, ids: torch.Tensor, c_old: torch.Tensor
     """`kmeans_update_torch` in one Triton launch: float32 [H, K, D] means (empty clusters keep `c_old`)."""
     out = torch.empty_like(c_old, memory_format=torch.contiguous_format)
     launch = kmeans_update_launch(x, ids, c_old, out)
-    if launch is not None:
-        kernel, grid, args, kwargs = launch
-        kernel[grid](*args, **kwargs)
+    launch_on_device("kmeans_update", launch)
     return out

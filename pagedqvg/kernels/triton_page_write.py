@@ -18,7 +18,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .triton_common import NUM_WARPS, cdiv, is_interpreted, tile_for
+from .triton_common import NUM_WARPS, cdiv, is_interpreted, launch_on_device, tile_for
 from .triton_tile import row_tile
 
 _RUNTIME = ["num_rows", "n_tokens", "head_start", "num_heads_in"]
@@ -144,9 +144,7 @@ def page_write_triton(
     launch = page_write_launch(
         rows, page_idx, slot_idx, head_start, key, value, block_rows=block_rows, block_cols=block_cols
     )
-    if launch is not None:
-        kernel, grid, args, kwargs = launch
-        kernel[grid](*args, **kwargs)
+    launch_on_device("page_write", launch)
 
 
 _FILL_CACHE: dict[tuple, torch.Tensor] = {}
@@ -208,6 +206,4 @@ def page_fill_triton(
 ) -> None:
     """`page_fill_torch` in one Triton launch: every head of the addressed rows (any index shape) set to `fill`."""
     launch = page_fill_launch(rows, page_idx, slot_idx, fill, block_rows=block_rows, block_cols=block_cols)
-    if launch is not None:
-        kernel, grid, args, kwargs = launch
-        kernel[grid](*args, **kwargs)
+    launch_on_device("page_fill", launch)

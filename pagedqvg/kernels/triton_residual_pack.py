@@ -35,13 +35,21 @@ import triton.language as tl
 from ..quant import PackedFormat
 from ..quant.prq import FIT_ONE, FIT_STEPS
 from .residual_pack import check_residual_pack
-from .triton_common import NUM_WARPS, cdiv, is_interpreted, next_pow2
+from .triton_common import NUM_WARPS, cdiv, is_interpreted, launch_on_device, next_pow2
 from .triton_dequant import code_kind
 
 #: Tokens per program (compiled / interpreted), and the most [token, code byte, block] select elements per compiled
 #: program (ptxas, sm_90, 4 warps: no spills for the SGLang formats at D=128, nor int4-asym block 32 at D=256).
 BLOCK_R, BLOCK_R_INTERPRETED = 16, 128
 SELECT_ELEMS = 4096
+
+
+def pack_warps(fit_scales: bool) -> int:
+    """Warps per program: the fitted-scale search keeps int64 `[BLOCK_R, blocks, block_size]` errors live (ptxas -v,
+    sm_90, Triton 3.9, compact format at head_dim 128, 16 tokens: 4 warps 255 registers and 108 B spills per thread,
+    8 warps 154 registers, 0 spills); the other formats need 80-96 registers at 4 warps. Pinned by
+    tests/test_kernels_compile_resources.py."""
+    return 8 if fit_scales else NUM_WARPS
 _FP8_MAX = tl.constexpr(448.0)
 
 
@@ -203,7 +211,7 @@ def residual_pack_launch(
         BLOCK_BS=next_pow2(cfg.block_size), CODE_BYTES=fmt.code_bytes, BLOCK_CB=block_cb,
         STAGES=cfg.stages, BLOCK_ST=next_pow2(cfg.stages), PER_HEAD_BYTES=fmt.per_head_bytes,
         SCALES_OFFSET=fmt.scales_offset, ZEROS_OFFSET=fmt.zeros_offset, IDS_OFFSET=fmt.ids_offset,
-        FIT=bool(cfg.fit_scales), FIT_STEPS=FIT_STEPS, FIT_ONE=float(FIT_ONE), num_warps=NUM_WARPS,
+        FIT=bool(cfg.fit_scales), FIT_STEPS=FIT_STEPS, FIT_ONE=float(FIT_ONE), num_warps=pack_warps(cfg.fit_scales),
     )  # fmt: skip
     return _residual_pack_kernel, grid, args, kwargs
 
@@ -220,6 +228,4 @@ def residual_pack_triton(
 ) -> None:
     """`residual_pack_torch` in one Triton launch (`block_rows`: see `residual_pack_launch`)."""
     launch = residual_pack_launch(resid, ids, dest, page_idx, slot_idx, fmt, block_rows=block_rows)
-    if launch is not None:
-        kernel, grid, args, kwargs = launch
-        kernel[grid](*args, **kwargs)
+    launch_on_device("residual_pack", launch)

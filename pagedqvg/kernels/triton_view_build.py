@@ -22,7 +22,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .triton_common import NUM_WARPS, cdiv, is_interpreted, tile_for
+from .triton_common import NUM_WARPS, cdiv, is_interpreted, launch_on_device, tile_for
 from .triton_tile import row_tile
 
 _RUNTIME = ["num_rows", "n_tokens", "head_start", "num_heads_in"]
@@ -122,7 +122,5 @@ def view_build_triton(
     launch = view_build_launch(
         rows, page_idx, slot_idx, head_start, num_heads, out, block_rows=block_rows, block_cols=block_cols
     )
-    if launch is not None:
-        kernel, grid, args, kwargs = launch
-        kernel[grid](*args, **kwargs)
+    launch_on_device("view_build", launch)
     return out

@@ -32,7 +32,7 @@ import triton
 import triton.language as tl
 
 from ..quant import PackedFormat
-from .triton_common import NUM_WARPS, cdiv, is_interpreted, tile_for
+from .triton_common import CUDA_GRID_MAX, NUM_WARPS, GridLimitError, cdiv, is_interpreted, launch_on_device, tile_for
 from .triton_dequant import OUT_KIND, format_constants, kernel_codebooks, packed_tile
 from .view_runs import RUN_COLUMNS, check_view_runs
 
@@ -98,7 +98,7 @@ def _view_runs_kernel(
 
 
 #: CUDA's limit on grid axes 1 and 2.
-_GRID_YZ_MAX = 65535
+_GRID_YZ_MAX = CUDA_GRID_MAX[1]
 
 #: Format constexprs of a cache without packed sources (the packed branch is not compiled).
 _NO_FORMAT = dict(CODE_KIND=0, ASYM=False, QMAX=0, BLOCK_SIZE=1, STAGES=1, PER_HEAD_BYTES=0, SCALES_OFFSET=0,
@@ -138,7 +138,7 @@ def view_runs_launch(
     tile = tile_for(d, 2 * B * rows.shape[2], block_rows, block_cols, interpreted=is_interpreted(_view_runs_kernel))
     grid = (P, cdiv(bound, tile.block_r), cdiv(2 * B * heads, tile.heads_per_block))
     if grid[1] > _GRID_YZ_MAX or grid[2] > _GRID_YZ_MAX:
-        raise ValueError(
+        raise GridLimitError(
             f"view_runs grid {grid} exceeds CUDA's {_GRID_YZ_MAX} programs on axis 1/2: pass max_run (the longest "
             f"run; {tile.block_r * _GRID_YZ_MAX} rows at most, the cache splits runs at a page) or fewer columns"
         )
@@ -185,6 +185,4 @@ def view_runs_triton(
         rows, tokens, codebooks, cb_pages, runs, head_start, out_t, fmt,
         max_run=max_run, block_rows=block_rows, block_cols=block_cols,
     )  # fmt: skip
-    if launch is not None:
-        kernel, grid, args, kwargs = launch
-        kernel[grid](*args, **kwargs)
+    launch_on_device("view_runs", launch)

@@ -7,7 +7,9 @@ Per head, over the S tokens of one segment (vectors of D channels):
    residual -= centroid[id]. Assign = nearest centroid by
    squared L2 computed as ||c||^2 - 2 x.c (ties in that computed value go to the lowest index; two centroids at
    mathematically equal distance may round apart); update = mean in fp32; an empty cluster keeps its old centroid.
-   Matmuls run in IEEE fp32 whatever `torch.set_float32_matmul_precision` says (no TF32).
+   Matmuls run in at least IEEE fp32 precision whatever `torch.set_float32_matmul_precision` (or the per-backend
+   `fp32_precision`) says, without changing it: fp32 BLAS under IEEE settings (the default), else fp64 rounded to
+   fp32 (`_ieee_baddbmm`; no process-global state is touched, so concurrent threads and streams are unaffected).
    Init: K token indices drawn uniformly with replacement from a CPU `torch.Generator` seeded with `cfg.seed` (a fresh
    draw per stage, per head), or `init_centroids` (warm start, e.g. the previous chunk's codebooks).
 2. The final residual is block-quantized per token, per head, per `block_size` channels with fp8 e4m3 scale (and zero).
@@ -44,7 +46,6 @@ Numerics (everything below keeps outputs finite; inputs must be finite, else `Va
 
 from __future__ import annotations
 
-import functools
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -95,29 +96,46 @@ class PRQSegment:
 
 
 # ---------------------------------------------------------------------------------------------------------- quantize
-class _IEEEFloat32Matmul:
-    """Context: fp32 matmuls in full IEEE precision (no TF32), restoring the caller's setting afterwards."""
+def fp32_matmul_may_reduce(device: torch.device) -> bool:
+    """Whether torch's current settings let an fp32 matmul on `device` run below IEEE fp32 precision (TF32 on
+    CUDA, bf16 through oneDNN on CPU). Reads the settings, never changes them; unreadable settings (torch refuses a
+    mix of its legacy and new precision APIs) count as reduced. Other device types: False."""
+    if device.type not in ("cuda", "cpu"):
+        return False
+    backend = torch.backends.cuda.matmul if device.type == "cuda" else torch.backends.mkldnn.matmul
+    try:
+        prec = getattr(backend, "fp32_precision", None)  # new API: "ieee", "tf32", "bf16" or "none" (inherit)
+        if prec == "ieee":
+            return False
+        if prec not in (None, "none"):
+            return True
+        if getattr(torch.backends, "fp32_precision", None) not in (None, "none", "ieee"):
+            return True
+        if device.type == "cuda":
+            return bool(torch.backends.cuda.matmul.allow_tf32)
+        return torch.get_float32_matmul_precision() != "highest"
+    except RuntimeError:
+        return True
 
-    def __enter__(self) -> None:
-        self.saved = torch.get_float32_matmul_precision()
-        torch.set_float32_matmul_precision("highest")
 
-    def __exit__(self, *exc: object) -> None:
-        torch.set_float32_matmul_precision(self.saved)
-
-
-def _ieee_fp32(fn):
-    """Run `fn` with IEEE fp32 matmuls (see `_IEEEFloat32Matmul`)."""
-
-    @functools.wraps(fn)
-    def wrapper(*args, **kwargs):
-        with _IEEEFloat32Matmul():
-            return fn(*args, **kwargs)
-
-    return wrapper
+def _ieee_baddbmm(bias: torch.Tensor, a: torch.Tensor, b: torch.Tensor, alpha: float) -> torch.Tensor:
+    """`torch.baddbmm(bias, a, b, alpha=alpha)` of fp32 tensors in at least IEEE fp32 precision, whatever the
+    process's matmul precision settings: the fp32 BLAS call when those settings are IEEE (the default; bytes as
+    always), else the same product in fp64 rounded to fp32 (TF32/bf16 never apply to fp64). Nothing global is
+    changed, so it is safe next to other threads and streams; the fp64 result is within the fp32 error bound the
+    k-means contract allows (kernels/kmeans.py)."""
+    if fp32_matmul_may_reduce(a.device):
+        return torch.baddbmm(bias.double(), a.double(), b.double(), alpha=alpha).float()
+    return torch.baddbmm(bias, a, b, alpha=alpha)
 
 
-@_ieee_fp32
+def _ieee_bmm(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """`torch.bmm(a, b)` of fp32 tensors in at least IEEE fp32 precision (see `_ieee_baddbmm`)."""
+    if fp32_matmul_may_reduce(a.device):
+        return torch.bmm(a.double(), b.double()).float()
+    return torch.bmm(a, b)
+
+
 def prq_quantize(x: torch.Tensor, cfg: QuantConfig, *, init_centroids: torch.Tensor | None = None) -> PRQSegment:
     """PRQ-pack one segment: `prq_kmeans`, then `pack_residual_rows`.
 
@@ -161,7 +179,6 @@ AssignFn = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
 UpdateFn = Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
 
 
-@_ieee_fp32
 def prq_kmeans(
     x: torch.Tensor,
     cfg: QuantConfig,
@@ -250,7 +267,7 @@ def assign_nearest(x: torch.Tensor, c: torch.Tensor) -> torch.Tensor:
     tile = max(1, _TILE_ELEMS // (H * K))
     for t0 in range(0, S, tile):
         t1 = min(S, t0 + tile)
-        dist = torch.baddbmm(cn, x[:, t0:t1], ct, alpha=-2.0)  # ||c||^2 - 2 x.c  (||x||^2 is constant per row)
+        dist = _ieee_baddbmm(cn, x[:, t0:t1], ct, -2.0)  # ||c||^2 - 2 x.c  (||x||^2 is constant per row)
         out[:, t0:t1] = dist.argmin(dim=-1)
     return out
 
@@ -268,7 +285,7 @@ def update_means(x: torch.Tensor, ids: torch.Tensor, c_old: torch.Tensor) -> tor
         t1 = min(S, t0 + tile)
         onehot = torch.zeros(H, t1 - t0, K, dtype=torch.float32, device=x.device)
         onehot.scatter_(2, ids[:, t0:t1, None], 1.0)
-        sums += torch.bmm(onehot.transpose(1, 2), x[:, t0:t1])
+        sums += _ieee_bmm(onehot.transpose(1, 2), x[:, t0:t1])
         counts += onehot.sum(dim=1)
     nonempty = counts > 0
     means = sums / counts.clamp(min=1.0)[..., None]
