@@ -202,10 +202,15 @@ def one_round(quant: bool, round_seed: int) -> None:
 
 @pytest.fixture
 def fast_switching():
-    old = sys.getswitchinterval()
+    """Switch threads every microsecond. One intra-op thread: with several, a float reduction (PRQ's k-means) may
+    split its work differently when Python threads run torch ops at once, and its last bits differ from the run
+    alone (seen once in ~10 runs of the quant-on round); that is torch's scheduling, not the cache's."""
+    old, threads = sys.getswitchinterval(), torch.get_num_threads()
     sys.setswitchinterval(1e-6)
+    torch.set_num_threads(1)
     yield
     sys.setswitchinterval(old)
+    torch.set_num_threads(threads)
 
 
 @pytest.mark.parametrize("quant", [False, True], ids=["quant_off", "quant_on"])
