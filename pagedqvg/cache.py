@@ -11,6 +11,7 @@ so every error leaves the cache and the pool exactly as they were.
 
 from __future__ import annotations
 
+import copy
 import functools
 import weakref
 from typing import NamedTuple
@@ -454,19 +455,52 @@ class PagedCausalKVCache:
             touched = self._seq.index.overlapping(s, min(plan.end, self._seq.state.global_end))
         unpack = [x for x in touched if x.value.packed]
         if plan.new_tokens or unpack:
-            self._commit(plan, unpack, hin)
-        for x in touched:
-            x.value.pack_failed = False  # new values: the policy may try again
-            if s <= x.start and x.end <= plan.end and hin == self._num_heads:
-                x.value.lossy = False  # every row rewritten: exact values again
+            return self._atomic_update(plan, touched, unpack, (s, h0, hin, r), key, value)
         write_plan = self._io.write_plan(self._seq.index, s, plan.end, h0, hin)
         self._io.write(write_plan, h0, key, value)
+        self._rewritten(touched, s, plan.end, hin)
         ranges = self._seq.view_ranges(plan.local_start, r)
         self._last_view_ranges = ranges
         view_plan = self._io.view_plan(self._seq.index, self._view_spans(ranges), h0, hin)
         if not plan.new_tokens and not unpack:
             self._io.remember(fast_key, RepeatedCall(plan.local_start, plan.local_end, write_plan, ranges, view_plan))
         return self._finish_view(view_plan, h0, hin, plan.local_start, plan.local_end)
+
+    def _rewritten(self, touched: list[RangeEntry[Segment]], s: int, end: int, hin: int) -> None:
+        """Flags of the segments a write reached: the policy may pack them again; fully rewritten ones are exact."""
+        for x in touched:
+            x.value.pack_failed = False  # new values: the policy may try again
+            if s <= x.start and x.end <= end and hin == self._num_heads:
+                x.value.lossy = False  # every row rewritten: exact values again
+
+    @_holding_pool_lock
+    def _atomic_update(self, plan: CallPlan[Segment], touched, unpack, where: tuple, key, value):
+        """A call that changes the structure (an advance, or a rewrite that unpacks): commit, write and view as one
+        transaction. If anything raises (page write, view build, dequantization, an allocation), the pool's journal
+        gives back the pages taken and takes back the pages freed, with their bytes, and the sequencer's state and
+        segments are restored: the call has not happened. Holds the pool's lock throughout (no other cache can take
+        a page freed meanwhile). Cost: a copy of the state, the segment table and the freed pages' bytes per call."""
+        s, h0, hin, r = where
+        saved = (self._seq.spec, copy.deepcopy(self._seq.state), copy.deepcopy(self._seq.index))
+        self.pool.journal_begin(self.owner)
+        try:
+            self._commit(plan, unpack, hin)
+            self._rewritten(touched, s, plan.end, hin)
+            write_plan = self._io.write_plan(self._seq.index, s, plan.end, h0, hin)
+            self._io.write(write_plan, h0, key, value)
+            ranges = self._seq.view_ranges(plan.local_start, r)
+            self._last_view_ranges = ranges
+            view_plan = self._io.view_plan(self._seq.index, self._view_spans(ranges), h0, hin)
+            view = self._finish_view(view_plan, h0, hin, plan.local_start, plan.local_end)
+        except BaseException:
+            self.pool.journal_rollback()
+            self._seq.spec, self._seq.state, self._seq.index = saved
+            self._structure_changed()
+            self._packer.report_used()
+            self._sync_cursors()
+            raise
+        self.pool.journal_end()
+        return view
 
     @_holding_pool_lock
     def _commit(self, plan: CallPlan[Segment], unpack: list[RangeEntry[Segment]], hin: int) -> None:

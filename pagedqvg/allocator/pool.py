@@ -158,6 +158,7 @@ class BlockPool:
         #: Held by every method that reads or changes the page tables, and by caches across check-then-act calls.
         self.lock = threading.RLock()
         self._deferred: deque[str] = deque()  # owners whose pages go back at the next pool operation
+        self._journal: tuple[str, list] | None = None  # (owner, records) while a cache call may still roll back
 
     @classmethod
     def from_free_memory(
@@ -307,6 +308,8 @@ class BlockPool:
         pages = self._free[-n:]
         del self._free[-n:]
         pages.reverse()
+        if self._journal is not None and self._journal[0] == owner:
+            self._journal[1].append(("alloc", list(pages), None))
         owner_of = self._owner_of
         for p in pages:
             owner_of[p] = owner
@@ -339,6 +342,10 @@ class BlockPool:
                 raise PageOwnershipError(f"free by {owner}: page {p} is already free (double free)")
             if holder != owner:
                 raise PageOwnershipError(f"free by {owner}: page {p} belongs to {holder}, not to {owner}")
+        if pages and self._journal is not None and self._journal[0] == owner:
+            rows = self.arena.view(self.num_pages, self.page_bytes)
+            data = rows[torch.tensor(list(pages), dtype=torch.int64, device=self.device)]  # a copy of the bytes
+            self._journal[1].append(("free", list(pages), data))
         for p in reversed(pages):
             owner_of[p] = None
             self._free.append(p)
@@ -364,6 +371,38 @@ class BlockPool:
         self._owner_used.pop(owner, None)
         self._free_pages(pages, owner)
         return len(pages)
+
+    # ------------------------------------------------------------ journal (a cache call that raises has not happened)
+    def journal_begin(self, owner: str) -> None:
+        """Record `owner`'s allocations and frees (with a copy of each freed page's bytes, transient, outside the
+        page budget) until `journal_end`, so that `journal_rollback` can undo them. The caller holds `lock` from here
+        to the end or the rollback (no other owner can take a page freed meanwhile). O(1)."""
+        if self._journal is not None:
+            raise PoolInvariantError(f"journal of {self._journal[0]} still open when {owner} begins one")
+        self._journal = (owner, [])
+
+    def journal_end(self) -> None:
+        """Keep everything since `journal_begin` (drop the record and the byte copies). O(1)."""
+        self._journal = None
+
+    def journal_rollback(self) -> None:
+        """Undo every allocation and free of the journal's owner since `journal_begin`, newest first: pages it took
+        go back to the free list, pages it gave back are its own again with their bytes restored. O(pages moved +
+        free pages)."""
+        assert self._journal is not None
+        owner, records = self._journal
+        self._journal = None
+        rows = self.arena.view(self.num_pages, self.page_bytes)
+        for kind, pages, data in reversed(records):
+            if kind == "alloc":
+                self._free_pages(pages, owner)
+                continue
+            back = set(pages)
+            self._free = [p for p in self._free if p not in back]
+            for p in pages:
+                self._owner_of[p] = owner
+            self._owner_pages[owner] += len(pages)
+            rows[torch.tensor(pages, dtype=torch.int64, device=self.device)] = data
 
     def release_owner_later(self, owner: str) -> None:
         """Queue `owner`'s pages to go back at the next pool operation (for finalizers and garbage collection,
