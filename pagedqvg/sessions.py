@@ -253,6 +253,33 @@ class SessionManager:
                     raise self._refusal(spec, need, available)
                 self._changed.wait(left)
 
+    def adopt(self, caches: list[list], *, name: str | None = None, planned_pages: int = 0) -> Session:
+        """Track caches built elsewhere (e.g. by a framework's allocate hook: `caches[set][layer]`, on this pool) as
+        one session, so `close` and `reclaim` apply to them. `planned_pages` is reserved like an opened session's plan
+        (SessionRefusedError, nothing changed, when it does not fit; 0: nothing reserved). O(open sessions)."""
+        pool = self.pool
+        for cache in (c for cs in caches for c in cs):
+            if getattr(cache, "pool", None) is not pool:
+                raise CacheConfigError(f"adopt: {cache!r} is not a cache of this manager's pool {pool!r}")
+        with self._changed:
+            self.reclaim()
+            available = self.available_pages()
+            if planned_pages > available:
+                self.refusals += 1
+                raise SessionRefusedError(
+                    f"adopt: {planned_pages} planned pages, but only {available} are available "
+                    f"({pool.num_free_pages} of {pool.num_pages} free, {self.reserved_pages()} reserved)",
+                    needed_pages=planned_pages,
+                    available_pages=available,
+                    free_pages=pool.num_free_pages,
+                    reserved_pages=self.reserved_pages(),
+                )
+            self._serial += 1
+            sid = self._serial
+            session = Session(self, sid, name or f"session{sid}", caches, planned_pages)
+            self._open[sid] = _Record(caches, planned_pages, weakref.ref(session), self.clock())
+            return session
+
     def _refusal(self, spec: SessionSpec, need: int, available: int) -> SessionRefusedError:
         pool = self.pool
         return SessionRefusedError(

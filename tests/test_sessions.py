@@ -191,3 +191,22 @@ def test_sessions_at_different_stages_never_exhaust_the_pool(quant):
         assert pool.stats().used_pages <= sum(x[0].planned_pages for x in live)
     manager.close_all()
     assert pool.stats().used_pages == 0 and done > (5 if quant else 20) and refused > 0
+
+
+def test_adopt_tracks_caches_built_elsewhere():
+    from pagedqvg import PagedCausalKVCache
+
+    pool = BlockPool(capacity_bytes=30 * PAGE, page_bytes=PAGE)
+    manager = SessionManager(pool)
+    s = spec(layers=2)
+    built = [[PagedCausalKVCache(pool=pool, device="cpu", name=f"ext{i}", **s.layer_kwargs()) for i in range(2)]]
+    session = manager.adopt(built, planned_pages=manager.planned_pages(s))
+    run_chunk(session, s, 0)
+    assert pool.stats().used_pages > 0
+    with pytest.raises(PoolExhaustedError, match="adopt"):
+        manager.adopt([[]], planned_pages=31)
+    other = BlockPool(capacity_bytes=4 * PAGE, page_bytes=PAGE)
+    with pytest.raises(CacheConfigError, match="not a cache of this manager's pool"):
+        SessionManager(other).adopt(built)
+    del session
+    assert manager.reclaim() == 1 and pool.stats().used_pages == 0 and built[0][0].closed
