@@ -1,4 +1,5 @@
-"""CPU time per call of one LingBot-like layer: pagedqvg at 64 KiB and 2 MiB pages vs SGLang's QVG cache (bf16).
+"""CPU time per call of one LingBot-like layer: pagedqvg at 64 KiB and auto pages vs SGLang's QVG cache (bf16) and
+the dense cache.
 
 One layer of 8 heads x 128, bf16, batch 1, 1,560-token chunks, a 6-chunk cache and attention window with a 3-chunk
 sink (every view is 6 chunks = 9,360 tokens once the window is full). Each cache first advances `--warm` chunks
@@ -8,9 +9,13 @@ median wall time of:
 - rewrite: the repeated in-place call of the current chunk (a later denoise step; pagedqvg reuses its cached plan);
 - advance: the call that appends the next chunk (roll, eviction, write, view).
 
-Rows: pagedqvg as it runs now (writes and views through the torch references of the kernels: one indexed copy per
-K/V half, one gather per view); the same cache with the per-page slice path it used before (a copy kept in this
-file, `SlicePageIO`: one slice copy per page piece and a concatenation of page slices per view); SGLang 0.5.23's
+Rows: pagedqvg as it runs now at 64 KiB pages and at the page size `--page-bytes auto` picks for this layer
+(`layout.choose_page_bytes`; writes and views through the torch references of the kernels with everything derivable
+from a plan kept with it: one indexed copy per K/V half, one gather per view; an advance rebuilds the row index of the
+new chunk only); at 64 KiB also with the per-page slice path it used before (a copy kept in this file,
+`SlicePageIO`: one slice copy per page piece and a concatenation of page slices per view); the dense cache
+(`benchmarks/baselines.py`'s `DenseCache`: one `[B, C, H, D]` buffer per K and V rolled in place, views by
+`torch.cat` of slot ranges); SGLang 0.5.23's
 `QVGPackedCausalKVCache` with quantization off (bf16 segments, its own `_reconstruct`), when SGLang's sources are
 importable (see bench_sglang_memory.py / .ci/sglang_suite.sh), else `benchmarks/baselines.py`'s segment-list
 baseline (the header says which). The script checks that every cache's last view is the same bits.
@@ -34,7 +39,7 @@ from collections.abc import Callable
 import torch
 
 from pagedqvg import BlockPool, PagedCausalKVCache
-from pagedqvg.layout import page_pieces
+from pagedqvg.layout import choose_page_bytes, page_pieces, segment_kinds
 from pagedqvg.page_io import PageIO, ViewPlan, WritePlan
 
 HEADS, HEAD_DIM, CHUNK = 8, 128, 1560
@@ -118,6 +123,18 @@ def sglang_qvg():
                                   attention_window_size=CACHE_CHUNKS * CHUNK, quant_args=args)  # fmt: skip
 
 
+def dense_cache():
+    from baselines import DenseCache  # benchmarks/baselines.py
+
+    return DenseCache(batch_size=1, cache_size=CACHE_CHUNKS * CHUNK, num_heads=HEADS, head_dim=HEAD_DIM, dtype=DTYPE,
+                      device="cpu", sink_tokens=SINK_CHUNKS * CHUNK)  # fmt: skip
+
+
+def auto_page_bytes() -> int:
+    """The page size `--page-bytes auto` picks for this layer's bf16 chunks (`layout.choose_page_bytes`)."""
+    return choose_page_bytes(segment_kinds(1, HEADS, HEAD_DIM, DTYPE.itemsize, CHUNK)).page_bytes
+
+
 def baseline_segments():
     from baselines import SegmentListCache  # benchmarks/baselines.py
 
@@ -185,11 +202,12 @@ def main() -> None:
     ref_name = "SGLang 0.5.23 QVGPackedCausalKVCache (bf16)"
     if ref is None:
         ref, ref_name = baseline_segments(), "segment-list baseline (benchmarks/baselines.py; SGLang not importable)"
-    rows: list[tuple[str, Callable[[], object]]] = [(ref_name, lambda: ref)]
-    for page_bytes in (64 << 10, 2 << 20):
-        kib = f"{page_bytes >> 10} KiB" if page_bytes < 1 << 20 else f"{page_bytes >> 20} MiB"
-        rows.append((f"pagedqvg {kib} pages (torch references)", lambda p=page_bytes: paged(p, False)))
-        rows.append((f"pagedqvg {kib} pages (old per-page slices)", lambda p=page_bytes: paged(p, True)))
+    rows: list[tuple[str, Callable[[], object]]] = [(ref_name, lambda: ref), ("dense cache (baselines.DenseCache)",
+                                                                                dense_cache)]  # fmt: skip
+    auto = auto_page_bytes()
+    for page_bytes, what in ((64 << 10, "64 KiB"), (auto, f"auto = {auto:,} B")):
+        rows.append((f"pagedqvg {what} pages", lambda p=page_bytes: paged(p, False)))
+    rows.append(("pagedqvg 64 KiB pages (old per-page slices)", lambda: paged(64 << 10, True)))
     runners = [(name, Runner(make())) for name, make in rows]
     for _ in range(args.warm):
         for _, r in runners:
@@ -200,21 +218,26 @@ def main() -> None:
             times[name][0].append(r.rewrite())
         for name, r in runners:
             times[name][1].append(r.advance())
-    ref_view = runners[0][1].view
+    def kv(view):  # a view object (pagedqvg, SGLang) or the dense baseline's (k, v) tuple
+        return (view.k, view.v) if hasattr(view, "k") else view
+
+    ref_k, ref_v = kv(runners[0][1].view)
     for name, r in runners[1:]:
-        if not (torch.equal(r.view.k, ref_view.k) and torch.equal(r.view.v, ref_view.v)):
+        k, v = kv(r.view)
+        if not (torch.equal(k, ref_k) and torch.equal(v, ref_v)):
             raise SystemExit(f"{name}: the last view differs from the reference's")
     print(f"One LingBot-like layer on CPU ({torch.get_num_threads()} torch threads): {HEADS} heads x {HEAD_DIM}, bf16, "
           f"{CHUNK}-token chunks, cache and window {CACHE_CHUNKS} chunks, sink {SINK_CHUNKS} chunks; median of "
           f"{args.reps} rounds (each: one call of every cache) after {args.warm} chunks; every last view equal; "
           f"malloc: {'glibc defaults' if args.glibc_malloc else 'heap only, no trim'}. "
           f"Reference: {ref_name}.")  # fmt: skip
-    print("| cache | rewrite ms/call | vs reference | advance ms/call | vs reference |")
-    print("|---|---:|---:|---:|---:|")
+    print("| cache | rewrite ms/call | vs reference | vs dense | advance ms/call | vs reference | vs dense |")
+    print("|---|---:|---:|---:|---:|---:|---:|")
     med = {name: (statistics.median(rw) * 1e3, statistics.median(adv) * 1e3) for name, (rw, adv) in times.items()}
-    base = med[ref_name]
+    base, dense = med[ref_name], med["dense cache (baselines.DenseCache)"]
     for name, (rw, adv) in med.items():
-        print(f"| {name} | {rw:.2f} | {rw / base[0]:.2f}x | {adv:.2f} | {adv / base[1]:.2f}x |")
+        print(f"| {name} | {rw:.2f} | {rw / base[0]:.2f}x | {rw / dense[0]:.2f}x | {adv:.2f} | {adv / base[1]:.2f}x | "
+              f"{adv / dense[1]:.2f}x |")  # fmt: skip
 
 
 if __name__ == "__main__":

@@ -10,6 +10,7 @@ are exact. Nothing is asserted.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import platform
 import statistics
@@ -137,28 +138,58 @@ def bench_view(shape_name: str, quant_name: str, repeats: int) -> dict:
     return row
 
 
+def sglang_qvg_bf16(shape: dict):
+    """SGLang 0.5.23's `QVGPackedCausalKVCache` with quantization off (bf16 segments), or None when SGLang's sources
+    are not importable (put the extracted wheel on PYTHONPATH, with `.ci` for its placeholder modules, as
+    .ci/sglang_suite.sh does; bench_cpu_views.py's header)."""
+    try:
+        with contextlib.suppress(ImportError):
+            import sglang_plugin  # noqa: F401  (.ci: placeholder modules for SGLang's heavy imports)
+        from sglang.multimodal_gen.configs.quantization.qvg_kv import QVGKVQuantArgs
+        from sglang.multimodal_gen.runtime.layers.kvcache.qvg_packed_cache import QVGPackedCausalKVCache
+    except ImportError:
+        return None
+    g = geometry(shape)
+    return QVGPackedCausalKVCache(batch_size=1, cache_size=g["cache_size"], num_heads=shape["heads"],
+                                  head_dim=shape["head_dim"], dtype=torch.bfloat16, device=torch.device("cpu"),
+                                  global_end_index=torch.zeros(1, dtype=torch.long),
+                                  local_end_index=torch.zeros(1, dtype=torch.long), sink_tokens=g["sink"],
+                                  quant_args=QVGKVQuantArgs())  # fmt: skip
+
+
 def bench_host_overhead(repeats: int) -> dict:
-    """Tiny tensors: what each call costs on the host."""
+    """Tiny tensors: what each call costs on the host (the repeated rewrite of the current chunk), pagedqvg beside
+    the dense cache and SGLang's QVG cache (bf16; when importable) in one process; allocations per call counted by
+    `AllocationCounter` (tensors on new storage)."""
     shape = dict(heads=2, head_dim=8, tpf=4, chunk_frames=1, sink_frames=1, window_frames=6)
     pool = BlockPool(capacity_bytes=1 << 20, page_bytes=4096)
     k, v = video_kv(12, 4, 2, 8, seed=1)
+    caches = {"dense": build("dense", shape, None), "sglang-qvg": sglang_qvg_bf16(shape)}
+    for name in ("pagedqvg", "pagedqvg-reuse-buffer"):
+        caches[name] = build("paged", shape, None, pool)
+        caches[name].reuse_view_buffer = name.endswith("buffer")
     row = {}
-    for name in ("dense", "pagedqvg", "pagedqvg-reuse-buffer"):
-        if name == "dense":
-            cache = build("dense", shape, None)
-        else:
-            cache = build("paged", shape, None, pool)
-            cache.reuse_view_buffer = name.endswith("buffer")
+    for name, cache in caches.items():
+        if cache is None:
+            continue
         fill(cache, k, v, 4, 10)
         key, value = k[:, 36:40], v[:, 36:40]
 
         def call(cache=cache, key=key, value=value):
             return cache.update_and_get_attention_kv(key=key, value=value, current_chunk_start=36)
 
-        row[f"{name}_us"] = median_time(lambda call=call: [call() for _ in range(100)], repeats) * 1e4
+        call()
         with AllocationCounter() as counter:
             call()
         row[f"{name}_allocs"] = counter.count
+    times: dict[str, list[float]] = {name: [] for name in caches if f"{name}_allocs" in row}
+    for _ in range(repeats):  # rounds: every cache once per round, so machine noise hits them alike
+        for name in times:
+            cache = caches[name]
+            times[name].append(median_time(lambda c=cache: [c.update_and_get_attention_kv(
+                key=k[:, 36:40], value=v[:, 36:40], current_chunk_start=36) for _ in range(100)], 1) * 1e4)  # fmt: skip
+    for name, ts in times.items():
+        row[f"{name}_us"] = statistics.median(ts)
     return row
 
 
@@ -196,42 +227,50 @@ def bench_resident(chunks: int) -> list[dict]:
     return rows
 
 
-def markdown(results: dict) -> str:
+def markdown(results: dict, sections: tuple[str, ...] = ("view", "host", "resident")) -> str:
     lines = [f"Machine: {results['machine']}; torch {results['torch']}; {results['date']}", ""]
-    lines += ["### View build per layer call (a rewrite of the current chunk, steady state)", "",
-              "| shape | quant | pagedqvg ms | segment list ms | ratio | dense ms | ratio vs dense | "
-              "tensor allocations per call (paged / seglist / dense) | peak transient bytes (paged / seglist) | "
-              "view bytes |",
-              "|---|---|---:|---:|---:|---:|---:|---|---|---:|"]
-    for r in results["view"]:
-        dense_ms = r.get("dense_ms")
-        lines.append(
-            f"| {r['shape']} | {r['quant']} | {r['pagedqvg_ms']:.2f} | {r['segment-list_ms']:.2f} | "
-            f"{r['pagedqvg_ms'] / r['segment-list_ms']:.2f}x | "
-            + (f"{dense_ms:.2f} | {r['pagedqvg_ms'] / dense_ms:.2f}x | " if dense_ms else "– | – | ")
-            + f"{r['pagedqvg_allocs']} / {r['segment-list_allocs']} / {r.get('dense_allocs', '–')} | "
-            f"{r['pagedqvg_peak_bytes']:,} / {r['segment-list_peak_bytes']:,} | {r['view_bytes']:,} |"
-        )
-    h = results["host"]
-    lines += ["", "### Host overhead per call, tiny tensors (B=1, 2 heads, head_dim 8, 4-token chunks)", "",
-              "| dense µs | pagedqvg µs | ratio | pagedqvg (reuse_view_buffer) µs | ratio | "
-              "allocs dense / paged / reuse |",
-              "|---:|---:|---:|---:|---:|---|",
-              f"| {h['dense_us']:.1f} | {h['pagedqvg_us']:.1f} | {h['pagedqvg_us'] / h['dense_us']:.2f}x | "
-              f"{h['pagedqvg-reuse-buffer_us']:.1f} | {h['pagedqvg-reuse-buffer_us'] / h['dense_us']:.2f}x | "
-              f"{h['dense_allocs']} / {h['pagedqvg_allocs']} / {h['pagedqvg-reuse-buffer_allocs']} |"]
-    lines += ["", "### Resident K/V bytes of one layer, LingBot chunk size (4,680 tokens), after the run (exact)", "",
-              "| quant | chunks | dense | pagedqvg | dense / pagedqvg | segment list | dense / segment list | "
-              "pagedqvg packed / bf16 bytes | packed / bf16 tokens | packed chunks vs bf16 |",
-              "|---|---:|---:|---:|---:|---:|---:|---|---|---:|"]
-    for r in results["resident"]:
-        lines.append(
-            f"| {r['quant']} | {r['chunks']} | {r['dense_bytes']:,} | {r['pagedqvg_bytes']:,} | "
-            f"{r['dense_bytes'] / r['pagedqvg_bytes']:.2f}x | {r['segment_list_bytes']:,} | "
-            f"{r['dense_bytes'] / r['segment_list_bytes']:.2f}x | {r['pagedqvg_packed_bytes']:,} / "
-            f"{r['pagedqvg_dense_bytes']:,} | {r['packed_tokens']:,} / {r['dense_tokens']:,} | "
-            f"{r['packed_tokens'] * r['bf16_token_bytes'] / r['pagedqvg_packed_bytes']:.2f}x |"
-        )
+    if "view" in sections:
+        lines += ["### View build per layer call (a rewrite of the current chunk, steady state)", "",
+                  "| shape | quant | pagedqvg ms | segment list ms | ratio | dense ms | ratio vs dense | "
+                  "tensor allocations per call (paged / seglist / dense) | peak transient bytes (paged / seglist) | "
+                  "view bytes |",
+                  "|---|---|---:|---:|---:|---:|---:|---|---|---:|"]
+        for r in results["view"]:
+            dense_ms = r.get("dense_ms")
+            lines.append(
+                f"| {r['shape']} | {r['quant']} | {r['pagedqvg_ms']:.2f} | {r['segment-list_ms']:.2f} | "
+                f"{r['pagedqvg_ms'] / r['segment-list_ms']:.2f}x | "
+                + (f"{dense_ms:.2f} | {r['pagedqvg_ms'] / dense_ms:.2f}x | " if dense_ms else "– | – | ")
+                + f"{r['pagedqvg_allocs']} / {r['segment-list_allocs']} / {r.get('dense_allocs', '–')} | "
+                f"{r['pagedqvg_peak_bytes']:,} / {r['segment-list_peak_bytes']:,} | {r['view_bytes']:,} |"
+            )
+    if "host" in sections:
+        lines += ["", "### Host overhead per repeated call, tiny tensors (B=1, 2 heads, head_dim 8, 4-token chunks)",
+                  "",
+                  "| cache | µs per call | vs dense | tensor allocations per call |", "|---|---:|---:|---:|"]
+        h = results["host"]
+        for name in ("dense", "pagedqvg", "pagedqvg-reuse-buffer", "sglang-qvg"):
+            label = {"pagedqvg-reuse-buffer": "pagedqvg (reuse_view_buffer)", "sglang-qvg": "SGLang QVG (bf16)"}.get(
+                name, name)  # fmt: skip
+            if f"{name}_us" not in h:
+                lines.append(f"| {label} | – (not importable) | – | – |")
+                continue
+            lines.append(f"| {label} | {h[f'{name}_us']:.1f} | {h[f'{name}_us'] / h['dense_us']:.2f}x | "
+                         f"{h[f'{name}_allocs']} |")  # fmt: skip
+    if "resident" in sections:
+        lines += ["", "### Resident K/V bytes of one layer, LingBot chunk size (4,680 tokens), after the run (exact)",
+                  "",
+                  "| quant | chunks | dense | pagedqvg | dense / pagedqvg | segment list | dense / segment list | "
+                  "pagedqvg packed / bf16 bytes | packed / bf16 tokens | packed chunks vs bf16 |",
+                  "|---|---:|---:|---:|---:|---:|---:|---|---|---:|"]
+        for r in results["resident"]:
+            lines.append(
+                f"| {r['quant']} | {r['chunks']} | {r['dense_bytes']:,} | {r['pagedqvg_bytes']:,} | "
+                f"{r['dense_bytes'] / r['pagedqvg_bytes']:.2f}x | {r['segment_list_bytes']:,} | "
+                f"{r['dense_bytes'] / r['segment_list_bytes']:.2f}x | {r['pagedqvg_packed_bytes']:,} / "
+                f"{r['pagedqvg_dense_bytes']:,} | {r['packed_tokens']:,} / {r['dense_tokens']:,} | "
+                f"{r['packed_tokens'] * r['bf16_token_bytes'] / r['pagedqvg_packed_bytes']:.2f}x |"
+            )
     return "\n".join(lines) + "\n"
 
 
@@ -239,6 +278,7 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--quick", action="store_true", help="fewer repeats and chunks (about a minute)")
     ap.add_argument("--out", default=str(Path(__file__).resolve().parent / "results"))
+    ap.add_argument("--host-only", action="store_true", help="only the host-overhead table (tiny tensors, seconds)")
     args = ap.parse_args(argv)
     torch.manual_seed(0)
     repeats = 3 if args.quick else 7
@@ -246,10 +286,13 @@ def main(argv: list[str] | None = None) -> int:
         "machine": f"{platform.machine()} {platform.processor() or ''} {torch.get_num_threads()} threads".strip(),
         "torch": torch.__version__,
         "date": datetime.now(timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
-        "view": [bench_view(s, q, repeats) for s in SHAPES for q in QUANTS],
         "host": bench_host_overhead(repeats),
-        "resident": bench_resident(12 if args.quick else 60),
     }
+    if args.host_only:
+        print(markdown(results, sections=("host",)))
+        return 0
+    results["view"] = [bench_view(s, q, repeats) for s in SHAPES for q in QUANTS]
+    results["resident"] = bench_resident(12 if args.quick else 60)
     table = markdown(results)
     print(table)
     out = Path(args.out)

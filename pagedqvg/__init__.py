@@ -7,6 +7,7 @@ One `BlockPool` per device owns every K/V byte of every layer under one byte bud
 from typing import TYPE_CHECKING
 
 from .allocator import BlockPool, PoolStats, RangeIndex
+from .debug import debug_checks, set_debug_checks
 from .errors import (
     CacheClosedError,
     CacheConfigError,
@@ -55,5 +56,7 @@ __all__ = [
     "RangeIndex",
     "SequencingError",
     "SessionRefusedError",
+    "debug_checks",
     "make_layer_caches",
+    "set_debug_checks",
 ]

@@ -19,6 +19,7 @@ from typing import NamedTuple
 import torch
 
 from .allocator import BlockPool, RangeEntry
+from .attention import attend_pages, check_query
 from .cache_args import check_device, check_kv, check_quant, cursor_tensors, dense_layout, packed_store, recent_window
 from .cache_packing import ChunkPacker
 from .errors import CacheClosedError, CacheConfigError
@@ -42,6 +43,9 @@ def _holding_pool_lock(method):
             return method(self, *args, **kwargs)
 
     return wrapper
+
+
+_VIEW_CALL = "update_and_get_attention_kv"
 
 
 class RepeatedCall(NamedTuple):
@@ -88,9 +92,9 @@ class PagedCausalKVCache:
         quant: a `QuantConfig` to pack completed chunks with PRQ (2 or 4 bits); None or bits=None: exact bf16.
         name: this layer's label: the pool owner's prefix and the first word of every error message
             (default "layer").
-        reuse_view_buffer: build every view into one per-pool scratch buffer instead of a fresh tensor (no
-            allocation per call); such a view is valid only until the next call on any cache of the pool
-            (default False).
+        reuse_view_buffer: build every view into one per-pool scratch buffer instead of a fresh tensor (a repeated
+            call of a view of dense rows then allocates nothing; without it exactly its view); such a view is valid
+            only until the next call on any cache of the pool (default False).
         pack_under_pressure: with quantization, when an advance does not fit the pool, pack this layer's bf16
             chunks early (oldest first) if that frees enough pages, instead of raising PoolExhaustedError
             (default False).
@@ -234,6 +238,7 @@ class PagedCausalKVCache:
         )
         self._use_int = bool(use_int_indices)
         self._closed = False
+        self._txn: tuple | None = None  # the saved sequencer while a call runs as a transaction
         self._last_view_ranges: list[tuple[int, int]] = []
         self._g_tensor, self._l_tensor = cursor_tensors(global_end_index, local_end_index, self.device)
         # A cache collected without close() still gives its pages back.
@@ -379,12 +384,7 @@ class PagedCausalKVCache:
         retained rows (plus codebooks) occupy. O(segments x runs)."""
         return self._packer.memory_breakdown()
 
-    def _sync_cursors(self) -> None:
-        st = self._seq.state
-        self._on_cursors_changed(st.global_end, st.local_end)
-
     # ------------------------------------------------------------ the call
-    @torch.no_grad()
     def update_and_get_attention_kv(
         self,
         *,
@@ -426,18 +426,78 @@ class PagedCausalKVCache:
             PoolExhaustedError: the pool cannot hold the new tokens.
             ValueError, TypeError: bad shapes, dtype, device, heads or negative numbers (naming the values).
         """
-        if debug_name is None or debug_name == self.debug_name:
-            return self._update(key, value, current_chunk_start, cache_head_start, recent_window_tokens)
-        own = self.debug_name
-        self.debug_name = f"{debug_name} ({own})"  # every error of this call names the caller's label
+        own, grad = self.debug_name, torch.is_grad_enabled()
+        if debug_name is not None and debug_name != own:
+            self.debug_name = f"{debug_name} ({own})"  # every error of this call names the caller's label
+        torch.set_grad_enabled(False)  # writes into the pool must not join an autograd graph
         try:
             return self._update(key, value, current_chunk_start, cache_head_start, recent_window_tokens)
         finally:
             self.debug_name = own
+            torch.set_grad_enabled(grad)
+
+    @torch.no_grad()
+    def update_and_attend(
+        self,
+        query: torch.Tensor,
+        *,
+        key: torch.Tensor,
+        value: torch.Tensor,
+        current_chunk_start: int,
+        cache_head_start: int | None = None,
+        recent_window_tokens: int | None = None,
+        softmax_scale: float | None = None,
+        debug_name: str | None = None,
+    ) -> torch.Tensor:
+        """Write one chunk's K/V exactly as `update_and_get_attention_kv` does and return attention over the rows its
+        view would hold, without building the view (attention.py: tiles decoded from pages, online softmax in fp32).
+
+        Args:
+            query: `[batch, query tokens, heads, head_dim]`, the cache dtype and device, `key`'s heads.
+            softmax_scale: None: `head_dim ** -0.5`; else a finite float. No mask: every query row attends to every
+                row of the view; never-written rows are keys of score 0 and value 0 (as SDPA over the view).
+            The rest: as `update_and_get_attention_kv`.
+
+        Returns:
+            `softmax(query·kᵀ·scale)·v`, `[batch, query tokens, heads, head_dim]` in the query's dtype.
+
+        Raises: as `update_and_get_attention_kv`, plus TypeError / ValueError for a bad query or scale; all before
+        anything changes. Transient memory: `attention.attention_scratch_bytes` (independent of the window).
+        """
+        own = self.debug_name
+        if debug_name is not None and debug_name != own:
+            self.debug_name = f"{debug_name} ({own})"  # every error of this call names the caller's label
+        try:
+            what = "update_and_attend"
+            self._before_call(what)
+            self._ensure_open(what)
+            shape = (self.batch_size, self._num_heads, self.head_dim)
+            check_kv(self.debug_name, key, value, cache_head_start, shape, self.dtype, self.device)
+            scale = check_query(query, key, softmax_scale, self.debug_name)
+
+            def write_and_attend():
+                plan, h0, _, _, _ = self._write_and_plan(
+                    key, value, current_chunk_start, cache_head_start, recent_window_tokens, what
+                )
+                return attend_pages(self._io, plan, h0, query, scale)
+
+            return self._transactional(write_and_attend)
+        finally:
+            self.debug_name = own
 
     def _update(self, key, value, current_chunk_start, cache_head_start, recent_window_tokens):
-        self._before_call("update_and_get_attention_kv")
-        self._ensure_open("update_and_get_attention_kv")
+        return self._transactional(
+            lambda: self._finish_view(
+                *self._write_and_plan(key, value, current_chunk_start, cache_head_start, recent_window_tokens)
+            )
+        )
+
+    def _write_and_plan(
+        self, key, value, current_chunk_start, cache_head_start, recent_window_tokens, what: str = _VIEW_CALL
+    ):
+        """The write of one call (`what`) and the plan of its view: `(view plan, h0, hin, local start, local end)`."""
+        self._before_call(what)
+        self._ensure_open(what)
         name = self.debug_name
         shape = (self.batch_size, self._num_heads, self.head_dim)
         n, hin, h0 = check_kv(name, key, value, cache_head_start, shape, self.dtype, self.device)
@@ -448,23 +508,27 @@ class PagedCausalKVCache:
         if isinstance(fast, RepeatedCall):  # the same in-place rewrite as before (a later denoise step)
             self._io.write(fast.write_plan, h0, key, value)
             self._last_view_ranges = fast.ranges
-            return self._finish_view(fast.view_plan, h0, hin, fast.local_start, fast.local_end)
+            return fast.view_plan, h0, hin, fast.local_start, fast.local_end
         plan = self._seq.plan_write(s, n, self.debug_name)
         touched: list[RangeEntry[Segment]] = []
         if self._packed is not None:
             touched = self._seq.index.overlapping(s, min(plan.end, self._seq.state.global_end))
         unpack = [x for x in touched if x.value.packed]
-        if plan.new_tokens or unpack:
-            return self._atomic_update(plan, touched, unpack, (s, h0, hin, r), key, value)
+        structural = bool(plan.new_tokens or unpack)
+        if structural:  # the caller's `_transactional` ends or rolls back what starts here
+            self._begin_transaction()
+            self._commit(plan, unpack, hin)
+            self._rewritten(touched, s, plan.end, hin)
         write_plan = self._io.write_plan(self._seq.index, s, plan.end, h0, hin)
         self._io.write(write_plan, h0, key, value)
-        self._rewritten(touched, s, plan.end, hin)
+        if not structural:  # a failed in-place write leaves the flags (the targeted rows may be old or new)
+            self._rewritten(touched, s, plan.end, hin)
         ranges = self._seq.view_ranges(plan.local_start, r)
         self._last_view_ranges = ranges
         view_plan = self._io.view_plan(self._seq.index, self._view_spans(ranges), h0, hin)
         if not plan.new_tokens and not unpack:
             self._io.remember(fast_key, RepeatedCall(plan.local_start, plan.local_end, write_plan, ranges, view_plan))
-        return self._finish_view(view_plan, h0, hin, plan.local_start, plan.local_end)
+        return view_plan, h0, hin, plan.local_start, plan.local_end
 
     def _rewritten(self, touched: list[RangeEntry[Segment]], s: int, end: int, hin: int) -> None:
         """Flags of the segments a write reached: the policy may pack them again; fully rewritten ones are exact."""
@@ -473,34 +537,42 @@ class PagedCausalKVCache:
             if s <= x.start and x.end <= end and hin == self._num_heads:
                 x.value.lossy = False  # every row rewritten: exact values again
 
-    @_holding_pool_lock
-    def _atomic_update(self, plan: CallPlan[Segment], touched, unpack, where: tuple, key, value):
-        """A call that changes the structure (an advance, or a rewrite that unpacks): commit, write and view as one
-        transaction. If anything raises (page write, view build, dequantization, an allocation), the pool's journal
-        gives back the pages taken and takes back the pages freed, with their bytes, and the sequencer's state and
-        segments are restored: the call has not happened. Holds the pool's lock throughout (no other cache can take
-        a page freed meanwhile). Cost: a copy of the state, the segment table and the freed pages' bytes per call."""
-        s, h0, hin, r = where
-        saved = (self._seq.spec, copy.deepcopy(self._seq.state), copy.deepcopy(self._seq.index))
-        self.pool.journal_begin(self.owner)
+    # ------------------------------------------------------------ a call that raises has not happened
+    def _transactional(self, run):
+        """`run()`; a transaction it began (`_begin_transaction`: an advance, or a rewrite that unpacks) ends when
+        it returns and is rolled back if it raises, so such a call either happens whole or not at all."""
         try:
-            self._commit(plan, unpack, hin)
-            self._rewritten(touched, s, plan.end, hin)
-            write_plan = self._io.write_plan(self._seq.index, s, plan.end, h0, hin)
-            self._io.write(write_plan, h0, key, value)
-            ranges = self._seq.view_ranges(plan.local_start, r)
-            self._last_view_ranges = ranges
-            view_plan = self._io.view_plan(self._seq.index, self._view_spans(ranges), h0, hin)
-            view = self._finish_view(view_plan, h0, hin, plan.local_start, plan.local_end)
+            out = run()
         except BaseException:
+            if self._txn is not None:
+                self._rollback()
+            raise
+        if self._txn is not None:
+            self._txn = None
+            self.pool.journal_end()
+            self.pool.lock.release()
+        return out
+
+    def _begin_transaction(self) -> None:
+        """Hold the pool's lock (no other cache can take a page freed meanwhile), save the sequencer's spec, state and
+        segments, and journal this cache's allocations and frees (with a copy of each freed page's bytes: transient,
+        outside the pool). Cost per call: copies of the state, the segment table and the freed pages' bytes."""
+        self.pool.lock.acquire()
+        self._txn = (self._seq.spec, copy.deepcopy(self._seq.state), copy.deepcopy(self._seq.index))
+        self.pool.journal_begin(self.owner)
+
+    def _rollback(self) -> None:
+        """Undo the transaction: pages taken go back, pages freed return with their bytes, the sequencer is restored."""
+        try:
             self.pool.journal_rollback()
-            self._seq.spec, self._seq.state, self._seq.index = saved
+            self._seq.spec, self._seq.state, self._seq.index = self._txn
+            self._txn = None
             self._structure_changed()
             self._packer.report_used()
             self._sync_cursors()
-            raise
-        self.pool.journal_end()
-        return view
+        finally:
+            self._txn = None
+            self.pool.lock.release()
 
     @_holding_pool_lock
     def _commit(self, plan: CallPlan[Segment], unpack: list[RangeEntry[Segment]], hin: int) -> None:
@@ -524,7 +596,7 @@ class PagedCausalKVCache:
         if entry is not None and packer.apply_policy(plan.start, plan.end, self.debug_name):
             self._structure_changed()
         self._packer.report_used()
-        self._sync_cursors()
+        self._on_cursors_changed(self._seq.state.global_end, self._seq.state.local_end)
         if entry is not None and hin != self._num_heads:
             # Heads this call does not write read as zeros (the dense cache would show stale rolled data).
             self._zero_tokens(entry, entry.start, entry.end)
@@ -582,7 +654,7 @@ class PagedCausalKVCache:
             self._packer.trim_pages(straddler)
         self._structure_changed()
         self._packer.report_used()
-        self._sync_cursors()
+        self._on_cursors_changed(self._seq.state.global_end, self._seq.state.local_end)
 
     @_holding_pool_lock
     def close(self) -> None:

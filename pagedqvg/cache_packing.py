@@ -15,6 +15,7 @@ import warnings
 import torch
 
 from .allocator import BlockPool, RangeEntry
+from .allocator.pool import exhausted_error, set_used_bytes
 from .errors import PackingFailedWarning
 from .layout import DenseTokenLayout
 from .packing import PackedStore, QuantizedChunk
@@ -91,8 +92,8 @@ class ChunkPacker:
         hint = ""
         if self.store is not None and not self.pack_under_pressure:
             hint = "; pack_under_pressure=True would pack this layer's bf16 chunks early"
-        raise pool.exhausted_error(
-            need, f"{name}: {what} ({freed} pages freed by this call's eviction count as free{hint})"
+        raise exhausted_error(
+            pool, need, f"{name}: {what} ({freed} pages freed by this call's eviction count as free{hint})"
         )
 
     def pressure_plan(self, deficit: int, plan: CallPlan[Segment], unpack: list[RangeEntry[Segment]]) -> list[Packing]:
@@ -204,7 +205,7 @@ class ChunkPacker:
         """Every segment back to the pool; cursors 0, unpinned (the sequencer's `reset`)."""
         for entry in self.seq.reset():
             self.pool.free(entry.value.pages, self.owner)
-        self.pool.set_used_bytes(self.owner, 0)
+        set_used_bytes(self.pool, self.owner, 0)
 
     def memory_breakdown(self) -> dict[str, int]:
         """Exact bytes: pages held by dense and packed segments, tokens retained in each, and the bytes those
@@ -227,7 +228,7 @@ class ChunkPacker:
 
     def report_used(self) -> None:
         """Tell the pool how many bytes of the owner's pages hold retained rows (the rest is waste)."""
-        self.pool.set_used_bytes(self.owner, self.memory_breakdown()["used_bytes"])
+        set_used_bytes(self.pool, self.owner, self.memory_breakdown()["used_bytes"])
 
     def trim_pages(self, entry: RangeEntry[Segment]) -> None:
         """Give back the pages a segment shortened by a rewind no longer needs (a packed one keeps its codebooks)."""
@@ -246,3 +247,4 @@ class ChunkPacker:
                 self.pool.free(seg.pages[keep:], self.owner)
                 del seg.pages[keep:]
                 seg.pages_t = None
+                seg.row_index = None

@@ -18,6 +18,7 @@ from pathlib import Path
 from . import __version__
 from .allocator import available_memory_bytes, format_bytes
 from .planner import (
+    ATTENTION_MODES,
     COMPACT_BLOCK,
     Geometry,
     compact_quant,
@@ -27,7 +28,6 @@ from .planner import (
     plan_geometry,
     search_limit_frames,
     setting_geometries,
-    setting_quant,
 )
 from .presets import (
     DEFAULT_GPU_MEMORY_FRACTION,
@@ -184,7 +184,7 @@ _COMPACT_FIXED: dict[str, tuple[str, bool]] = {
 }
 
 
-def _add_common(p: argparse.ArgumentParser, default_preset: str) -> None:
+def _add_common(p: argparse.ArgumentParser, default_preset: str, *, simulate: bool) -> None:
     g = p.add_argument_group("workload (every field overrides the preset)")
     g.add_argument(
         "--preset", choices=sorted(PRESETS), default=default_preset, help=f"model preset (default {default_preset})"
@@ -226,7 +226,9 @@ def _add_common(p: argparse.ArgumentParser, default_preset: str) -> None:
         "--ulysses", type=_int(1), help="Ulysses sequence-parallel ranks: each rank caches heads / N of every token"
     )
     g.add_argument("--tp", type=_int(1), help="tensor-parallel ranks: heads (and weights) split N ways")
-    g.add_argument("--chunks", type=_int(1), help="chunks to simulate (default 20; simulate only)")
+    # plan accepts --chunks only to refuse it with a reason (check_combinations); its --help does not offer it
+    chunks_help = "chunks to simulate (default 20)" if simulate else argparse.SUPPRESS
+    g.add_argument("--chunks", type=_int(1), help=chunks_help)
     g.add_argument("--stagger", type=_int(0), help="sessions start this many chunks apart (pagedqvg/stagger.py)")
     g.add_argument(
         "--session-chunks", type=_int_list, help="with --stagger: chunks each session runs, e.g. 10,20,30"
@@ -240,6 +242,16 @@ def _add_common(p: argparse.ArgumentParser, default_preset: str) -> None:
             help=help_text,
             **extra,
         )
+
+
+def _add_attention_arg(plan: argparse.ArgumentParser) -> None:
+    plan.add_argument(
+        "--attention",
+        choices=ATTENTION_MODES,
+        default="view",
+        help="view: each call builds a transient K/V view (update_and_get_attention_kv); pages: update_and_attend "
+        "(attention from pages: a window-independent scratch instead). Budget lines show both (default view)",
+    )
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -256,7 +268,7 @@ def build_parser() -> argparse.ArgumentParser:
         description="Exact steady-state bytes (dense cache, paged dense, packed) from the page and segment layout; "
         "with --budget or --memory-fraction, the largest window that fits for each quantization setting.",
     )
-    _add_common(plan, DEFAULT_PLAN_PRESET)
+    _add_common(plan, DEFAULT_PLAN_PRESET, simulate=False)
     b = plan.add_argument_group("budget (per rank; pool + one transient view)")
     b.add_argument("--budget", type=_size("--budget"), help="bytes for the KV cache itself, e.g. 24GiB")
     b.add_argument(
@@ -281,6 +293,7 @@ def build_parser() -> argparse.ArgumentParser:
     b.add_argument(
         "--device", default=None, help="device for --memory-fraction without --gpu (default cuda if present)"
     )
+    _add_attention_arg(plan)
     plan.add_argument("--json", action="store_true", help="print JSON instead of a table")
     plan.set_defaults(func=cmd_plan)
 
@@ -292,7 +305,7 @@ def build_parser() -> argparse.ArgumentParser:
         f"arguments: preset {DEFAULT_SIMULATE_PRESET} on the CPU. Exit status 0: measured and plan agree within 1%; "
         "1: they do not; 2: bad input.",
     )
-    _add_common(sim, DEFAULT_SIMULATE_PRESET)
+    _add_common(sim, DEFAULT_SIMULATE_PRESET, simulate=True)
     sim.add_argument("--out", default=DEFAULT_OUT_DIR, help=f"output directory (default {DEFAULT_OUT_DIR}/)")
     sim.add_argument(
         "--dry-run", action="store_true", help="accounting only, at full size, without tensors (seconds on a CPU)"
@@ -499,9 +512,21 @@ def _segment_pages_text(s: dict, dtype: str) -> str:
     return f"{s['mode']} {s['segment_pages']['packed']} pages"
 
 
-def _budget_fits(w: Workload, budget: int, source: str) -> list[dict[str, object]]:
+def _attention_fits(geom: Geometry, budget: int, lo: int) -> dict[str, dict[str, object]]:
+    """Per attention mode: the largest window (frames) that fits `budget`, its budget and the transient bytes."""
+    out: dict[str, dict[str, object]] = {}
+    for mode in ATTENTION_MODES:
+        g = dataclasses.replace(geom, attention=mode)
+        frames = max_window_frames(g, budget, lo)
+        p = plan_geometry(g.with_window_frames(frames if frames is not None else lo), replay=False)
+        out[mode] = {"max_window_frames": frames, "budget_bytes": p.budget_bytes, "transient_bytes": p.view_bytes}
+    return out
+
+
+def _budget_fits(w: Workload, budget: int, source: str, attention: str = "view") -> list[dict[str, object]]:
     rows = []
     for geom in setting_geometries(w)[0]:
+        geom = dataclasses.replace(geom, attention=attention)
         lo = min_window_frames(geom, w.chunk_frames)
         frames = max_window_frames(geom, budget, lo)
         row: dict[str, object] = {
@@ -515,6 +540,7 @@ def _budget_fits(w: Workload, budget: int, source: str) -> list[dict[str, object
             "min_window_frames": lo,
             "min_budget_bytes": plan_geometry(geom.with_window_frames(lo), replay=False).budget_bytes,
             "max_sessions": max_sessions(geom, budget),
+            "by_attention": _attention_fits(geom, budget, lo),
         }
         if frames is not None:
             p = plan_geometry(geom.with_window_frames(frames), replay=False)
@@ -534,6 +560,40 @@ def _budget_fits(w: Workload, budget: int, source: str) -> list[dict[str, object
     return rows
 
 
+_FREE_MEMORY_WEIGHTS = "0: the free memory measured now excludes what is loaded"
+
+
+def _device_total(args: argparse.Namespace, w: Workload) -> dict[str, object]:
+    """Where the budget starts: the `--gpu` table's total, or this machine's free memory on `--device` now, with the
+    fraction, weights (bytes, before --tp) and the labels the budget lines use."""
+    if args.gpu is not None:
+        name, total, text = get_gpu(args.gpu)
+        return {
+            "gpu": name,
+            "total": total,
+            "label": f"{text} total (--gpu {name})",
+            "fraction": args.memory_fraction if args.memory_fraction is not None else DEFAULT_GPU_MEMORY_FRACTION,
+            "weights": w.weights_bytes,
+            "wsource": w.weights_source if w.weights_source == "--weights" else f"{w.name} default: {w.weights_source}",
+            "source": f"--gpu {name}",
+        }
+    device = args.device
+    if device is None:
+        import torch
+
+        device = "cuda" if torch.cuda.is_available() else "cpu"
+    fraction = args.memory_fraction
+    return {
+        "gpu": None,
+        "total": available_memory_bytes(device),
+        "label": f"free memory on {device} now (--memory-fraction without --gpu)",
+        "fraction": fraction,
+        "weights": args.weights or 0,
+        "wsource": "--weights" if args.weights is not None else _FREE_MEMORY_WEIGHTS,
+        "source": f"--memory-fraction {fraction:g} of free memory on {device}",
+    }
+
+
 def resolve_budget(args: argparse.Namespace, w: Workload) -> dict[str, object] | None:
     """The KV budget per rank and the arithmetic that made it (JSON-ready), or None without a budget flag.
 
@@ -541,47 +601,26 @@ def resolve_budget(args: argparse.Namespace, w: Workload) -> dict[str, object] |
     `--memory-fraction F` alone: F x this machine's free memory on `--device` - `--weights` (0 unless given: the
     free memory is measured with whatever is loaded) / tp - `--reserve`. UsageError when nothing is left.
     """
-    reserve = args.reserve or 0
     if args.budget is not None:
-        return {
-            "bytes": args.budget,
-            "source": "--budget",
-            "lines": [{"label": "KV budget (--budget)", "bytes": args.budget, "op": "="}],
-        }
+        line = {"label": "KV budget (--budget)", "bytes": args.budget, "op": "="}
+        return {"bytes": args.budget, "source": "--budget", "lines": [line]}
     if args.gpu is None and args.memory_fraction is None:
         return None
-    lines: list[dict[str, object]] = []
-    if args.gpu is not None:
-        name, total, text = get_gpu(args.gpu)
-        fraction = args.memory_fraction if args.memory_fraction is not None else DEFAULT_GPU_MEMORY_FRACTION
-        lines.append({"label": f"{text} total (--gpu {name})", "bytes": total, "op": ""})
-        weights = w.weights_bytes
-        wsource = w.weights_source if w.weights_source == "--weights" else f"{w.name} default: {w.weights_source}"
-        source = f"--gpu {name}"
-    else:
-        device = args.device
-        if device is None:
-            import torch
-
-            device = "cuda" if torch.cuda.is_available() else "cpu"
-        total = available_memory_bytes(device)
-        fraction = args.memory_fraction
-        lines.append(
-            {"label": f"free memory on {device} now (--memory-fraction without --gpu)", "bytes": total, "op": ""}
-        )
-        weights = args.weights or 0
-        wsource = "--weights" if args.weights is not None else "0: the free memory measured now excludes what is loaded"
-        source = f"--memory-fraction {fraction:g} of free memory on {device}"
-        name = None
+    d = _device_total(args, w)
+    total, fraction, weights, source = int(d["total"]), float(d["fraction"]), int(d["weights"]), str(d["source"])
+    reserve = args.reserve or 0
     usable = int(total * fraction)
-    default = ", default with --gpu" if args.memory_fraction is None else ""
-    lines.append({"label": f"x {fraction:g} (--memory-fraction{default})", "bytes": usable, "op": "="})
     per_rank_weights = -(-weights // w.tp)
-    tp_text = f" / --tp {w.tp}" if w.tp > 1 else ""
-    lines.append({"label": f"weights{tp_text} ({wsource})", "bytes": per_rank_weights, "op": "-"})
-    lines.append({"label": "reserve for activations and workspace (--reserve)", "bytes": reserve, "op": "-"})
     budget = usable - per_rank_weights - reserve
-    lines.append({"label": "KV budget per rank (pool + one transient view)", "bytes": budget, "op": "="})
+    default = ", default with --gpu" if args.memory_fraction is None else ""
+    tp_text = f" / --tp {w.tp}" if w.tp > 1 else ""
+    lines = [
+        {"label": d["label"], "bytes": total, "op": ""},
+        {"label": f"x {fraction:g} (--memory-fraction{default})", "bytes": usable, "op": "="},
+        {"label": f"weights{tp_text} ({d['wsource']})", "bytes": per_rank_weights, "op": "-"},
+        {"label": "reserve for activations and workspace (--reserve)", "bytes": reserve, "op": "-"},
+        {"label": "KV budget per rank (pool + one transient view)", "bytes": budget, "op": "="},
+    ]
     if budget <= 0:
         raise UsageError(
             f"{source}: {format_bytes(usable)} usable (x {fraction:g}) minus weights {format_bytes(per_rank_weights)} "
@@ -592,24 +631,26 @@ def resolve_budget(args: argparse.Namespace, w: Workload) -> dict[str, object] |
         "bytes": budget,
         "source": source,
         "lines": lines,
-        "gpu": name,
+        "gpu": d["gpu"],
         "device_bytes": total,
         "memory_fraction": fraction,
         "weights_bytes": weights,
         "weights_per_rank_bytes": per_rank_weights,
-        "weights_source": wsource,
+        "weights_source": d["wsource"],
         "reserve_bytes": reserve,
     }
 
 
 def build_plan(
-    w: Workload, budget: dict[str, object] | int | None = None, budget_source: str = ""
+    w: Workload, budget: dict[str, object] | int | None = None, budget_source: str = "", attention: str = "view"
 ) -> dict[str, object]:
-    """The plan as a JSON-ready dict (schema `pagedqvg.plan/2`). `budget`: from `resolve_budget`, or bytes."""
+    """The plan as a JSON-ready dict (schema `pagedqvg.plan/2`). `budget`: from `resolve_budget`, or bytes.
+    `attention`: "view" (a transient view per call) or "pages" (update_and_attend's scratch instead)."""
     if isinstance(budget, int):
         budget = {"bytes": budget, "source": budget_source, "lines": []}
     geom = Geometry.from_workload(w)
     geoms, skipped = setting_geometries(w)
+    geoms = [dataclasses.replace(g, attention=attention) for g in geoms]
     settings = [plan_geometry(g) for g in geoms]
     dense = geom.dense
     doc: dict[str, object] = {
@@ -647,21 +688,23 @@ def build_plan(
         d["page_waste_by_kind"] = dict(g.page_choice.waste) if g.page_choice is not None else None
         doc["settings"].append(d)  # type: ignore[union-attr]
     if budget is not None:
-        doc["budget"] = {**budget, "fits": _budget_fits(w, int(budget["bytes"]), str(budget["source"]))}
+        doc["budget"] = {**budget, "fits": _budget_fits(w, int(budget["bytes"]), str(budget["source"]), attention)}
     return doc
 
 
-def format_plan(doc: dict[str, object]) -> str:
-    """The human table of a plan dict."""
-    w = doc["workload"]
-    g = doc["geometry"]
-    assert isinstance(w, dict) and isinstance(g, dict)
+def _aligned(rows: list[tuple[str, ...]]) -> list[str]:
+    """`rows` as table lines: the first column left-aligned, the others right-aligned, two spaces apart."""
+    widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
+    return [
+        "  " + "  ".join(c.ljust(widths[0]) if i == 0 else c.rjust(widths[i]) for i, c in enumerate(r)) for r in rows
+    ]
+
+
+def _plan_header_lines(w: dict, g: dict, settings: list, dt: str) -> list[str]:
+    """The plan's first lines: workload, ranks, caches, chunk, sink, window and one chunk segment's pages."""
     tpf = int(w["tokens_per_frame"])
     steps = int(w["denoise_steps"])
-    settings = doc["settings"]
-    assert isinstance(settings, list)
     wl = Workload(**{k: v for k, v in w.items() if k != "quant"})
-    dt = str(w["dtype"])  # the label of dense (unquantized) rows and segments: bf16, fp16 or fp32
     lines = [
         f"pagedqvg plan: {w['name']}"
         + (f" ({w['description']})" if w.get("description") else "")
@@ -674,7 +717,8 @@ def format_plan(doc: dict[str, object]) -> str:
             f"  ranks   --ulysses {w['ulysses']} x --tp {w['tp']} = {g['ranks']} ranks: {g['heads_per_rank']} heads "
             "per rank; every figure below is per rank (one GPU)"
         )
-    lines += [
+    return [
+        *lines,
         f"  caches  {g['sessions']} session(s) x {g['cache_sets']} cache set(s) x {w['layers']} layers = "
         f"{g['caches']} caches in one pool",
         f"  chunk   {w['chunk_frames']} frames = {_n(g['chunk_tokens'])} tokens; {steps} denoise steps + 1 clean pass"
@@ -690,107 +734,145 @@ def format_plan(doc: dict[str, object]) -> str:
         + ("" if w["page_bytes"] is not None else " (auto page size per setting)"),
         "",
     ]
-    header = (
-        "",
-        "page",
-        "segments/layer",
-        "pages/layer",
-        "per layer",
-        "all caches",
-        "vs dense",
-        "waste",
-        "pool pages",
-        "budget needed",
+
+
+_PLAN_COLUMNS = (
+    "",
+    "page",
+    "segments/layer",
+    "pages/layer",
+    "per layer",
+    "all caches",
+    "vs dense",
+    "waste",
+    "pool pages",
+    "budget needed",
+)
+
+
+def _plan_setting_row(s: dict, selected: str, dt: str) -> tuple[str, ...]:
+    """One paged setting's row of the plan table (per layer and all caches, pages, waste, budget)."""
+    per, allb = s["per_layer"], s["all_layers"]
+    mark = " *" if s["mode"] == selected else ""
+    name = f"paged {dt}" if s["mode"] == "off" else f"paged {s['mode']}"
+    waste = per["waste_bytes"] / per["bytes"] if per["bytes"] else 0.0
+    segs = f"{per['bf16_segments']} {dt}"
+    if per["packed_segments"]:
+        segs += f" + {per['packed_segments']} packed"
+    return (
+        name + mark,
+        format_bytes(s["page_bytes"]),
+        segs,
+        _n(per["pages"]),
+        format_bytes(per["bytes"]),
+        format_bytes(allb["bytes"]),
+        f"{s['ratio_vs_dense']:.2f}x",
+        f"{100 * waste:.2f}%",
+        _n(s["pool_pages"]),
+        format_bytes(s["budget_bytes"]),
     )
-    rows = [header]
-    rows.append(
-        (
-            f"dense {dt} (reference)",
-            "-",
-            "-",
-            "-",
-            format_bytes(g["dense_cache_bytes_per_layer"]),
-            format_bytes(g["dense_cache_bytes_all_layers"]),
-            "1.00x",
-            "-",
-            "-",
-            "-",
-        )
+
+
+def _plan_table_lines(doc: dict, g: dict, settings: list, dt: str) -> list[str]:
+    """The table (dense reference, then every setting) and the notes under it."""
+    dense = (
+        f"dense {dt} (reference)",
+        "-",
+        "-",
+        "-",
+        format_bytes(g["dense_cache_bytes_per_layer"]),
+        format_bytes(g["dense_cache_bytes_all_layers"]),
+        "1.00x",
+        "-",
+        "-",
+        "-",
     )
-    for s in settings:
-        per, allb = s["per_layer"], s["all_layers"]
-        mark = " *" if s["mode"] == doc["selected"] else ""
-        name = f"paged {dt}" if s["mode"] == "off" else f"paged {s['mode']}"
-        waste = per["waste_bytes"] / per["bytes"] if per["bytes"] else 0.0
-        segs = (
-            f"{per['bf16_segments']} {dt}"
-            if not per["packed_segments"]
-            else f"{per['bf16_segments']} {dt} + {per['packed_segments']} packed"
-        )
-        rows.append(
-            (
-                name + mark,
-                format_bytes(s["page_bytes"]),
-                segs,
-                _n(per["pages"]),
-                format_bytes(per["bytes"]),
-                format_bytes(allb["bytes"]),
-                f"{s['ratio_vs_dense']:.2f}x",
-                f"{100 * waste:.2f}%",
-                _n(s["pool_pages"]),
-                format_bytes(s["budget_bytes"]),
-            )
-        )
-    widths = [max(len(r[i]) for r in rows) for i in range(len(header))]
-    for r in rows:
-        lines.append("  " + "  ".join(c.ljust(widths[0]) if i == 0 else c.rjust(widths[i]) for i, c in enumerate(r)))
+    rows = [_PLAN_COLUMNS, dense] + [_plan_setting_row(s, str(doc["selected"]), dt) for s in settings]
+    lines = _aligned(rows)
     for item in doc.get("unavailable") or []:
         lines.append(f"  paged {item['mode']}: not possible with this shape: {speak_flags(item['reason'])}")
+    head_dim = doc["workload"]["head_dim"]  # type: ignore[index]
     for s in settings:
         block = s.get("quant", {}).get("block_size")
         if s["mode"] == "compact" and block is not None and block != COMPACT_BLOCK:
-            why = " (head_dim below 128: one fitted scale per token-head)" if block == w["head_dim"] else ""
+            why = " (head_dim below 128: one fitted scale per token-head)" if block == head_dim else ""
             lines.append(f"  paged compact: blocks of {block} channels per fitted scale{why}")
     view = settings[0]
-    lines += [
-        "",
+    transient = (
         f"  transient view: {_n(view['transient_view_tokens'])} tokens = {format_bytes(view['transient_view_bytes'])}"
-        " per call, one layer at a time, outside the pool",
-        "  budget needed = pool pages x page size + one transient view",
+        " per call, one layer at a time, outside the pool"
+    )
+    if view.get("attention") == "pages":
+        transient = (
+            f"  attention from pages (--attention pages): scratch {format_bytes(view['transient_view_bytes'])} per "
+            f"call ({doc['settings'][0]['mode']}; packed modes add their tile decode), one layer at a time, no view"
+        )
+    return [
+        *lines,
+        "",
+        transient,
+        "  budget needed = pool pages x page size + one transient view (or the attention scratch)",
         f"  * selected quantization ({doc['selected']}); vs dense = dense {dt} bytes / paged bytes; waste = page "
         "tails + rows of evicted tokens in retained segments",
     ]
+
+
+def _budget_fit_line(r: dict, g: dict, tpf: int, dt: str) -> str:
+    """One quantization setting under the budget: the largest window that fits and the sessions at this window."""
+    name = dt if r["mode"] == "off" else r["mode"]
+    at = f"at {g['window_tokens'] / tpf:g} frames"
+    fit = f"{r['max_sessions']} session(s) {at}" if r["max_sessions"] else f"no session fits {at}"
+    if r["max_window_frames"] is None:
+        return (
+            f"    {name:<7} does not fit: even {r['min_window_frames']} frames need "
+            f"{format_bytes(r['min_budget_bytes'])}; {fit}"
+        )
+    at_least = ">=" if r["search_limited"] else "  "
+    return (
+        f"    {name:<7} {at_least}{r['max_window_frames']:>6} frames (C = "
+        f"{_n(r['cache_size_tokens'])} slots): needs {format_bytes(r['budget_bytes'])} "
+        f"(pool {format_bytes(r['pool_bytes'])}); {fit}" + ("; the search stops there" if r["search_limited"] else "")
+    ) + _attention_modes_text(r)
+
+
+def _attention_modes_text(r: dict) -> str:
+    """Both attention modes side by side (frames that fit, transient bytes per call), or "" without them."""
+    by = r.get("by_attention")
+    if not by:
+        return ""
+    return " | attention " + ", ".join(
+        f"{a} {v['max_window_frames']} frames ({format_bytes(v['transient_bytes'])} transient)" for a, v in by.items()
+    )
+
+
+def _plan_budget_lines(budget: dict, g: dict, tpf: int, dt: str) -> list[str]:
+    """The budget arithmetic (with --gpu or --memory-fraction) and what fits it, per quantization setting."""
+    lines: list[str] = []
+    arithmetic = budget.get("lines") or []
+    if len(arithmetic) > 1:
+        lines += ["", "  budget per rank:"]
+        for item in arithmetic:
+            lines.append(f"    {item['op']:>1} {format_bytes(int(item['bytes'])):>12}  {item['label']}")
+    lines += [
+        "",
+        f"  budget {format_bytes(budget['bytes'])} ({budget['source']}): largest window that fits "
+        f"({int(g['sessions'])} session(s)), and sessions that fit at this window",
+    ]
+    return lines + [_budget_fit_line(r, g, tpf, dt) for r in budget["fits"]]
+
+
+def format_plan(doc: dict[str, object]) -> str:
+    """The human table of a plan dict."""
+    w = doc["workload"]
+    g = doc["geometry"]
+    settings = doc["settings"]
+    assert isinstance(w, dict) and isinstance(g, dict) and isinstance(settings, list)
+    dt = str(w["dtype"])  # the label of dense (unquantized) rows and segments: bf16, fp16 or fp32
+    lines = _plan_header_lines(w, g, settings, dt) + _plan_table_lines(doc, g, settings, dt)
     budget = doc.get("budget")
     if budget:
         assert isinstance(budget, dict)
-        arithmetic = budget.get("lines") or []
-        if len(arithmetic) > 1:
-            lines += ["", "  budget per rank:"]
-            for item in arithmetic:
-                lines.append(f"    {item['op']:>1} {format_bytes(int(item['bytes'])):>12}  {item['label']}")
-        sessions = int(g["sessions"])
-        lines += [
-            "",
-            f"  budget {format_bytes(budget['bytes'])} ({budget['source']}): largest window that fits "
-            f"({sessions} session(s)), and sessions that fit at this window",
-        ]
-        for r in budget["fits"]:
-            name = dt if r["mode"] == "off" else r["mode"]
-            at = f"at {g['window_tokens'] / tpf:g} frames"
-            fit = f"{r['max_sessions']} session(s) {at}" if r["max_sessions"] else f"no session fits {at}"
-            if r["max_window_frames"] is None:
-                lines.append(
-                    f"    {name:<7} does not fit: even {r['min_window_frames']} frames need "
-                    f"{format_bytes(r['min_budget_bytes'])}; {fit}"
-                )
-            else:
-                at_least = ">=" if r["search_limited"] else "  "
-                lines.append(
-                    f"    {name:<7} {at_least}{r['max_window_frames']:>6} frames (C = "
-                    f"{_n(r['cache_size_tokens'])} slots): needs {format_bytes(r['budget_bytes'])} "
-                    f"(pool {format_bytes(r['pool_bytes'])}); {fit}"
-                    + ("; the search stops there" if r["search_limited"] else "")
-                )
+        lines += _plan_budget_lines(budget, g, int(w["tokens_per_frame"]), dt)
     return "\n".join(lines)
 
 
@@ -800,16 +882,14 @@ def cmd_plan(args: argparse.Namespace) -> int:
     if args.stagger is not None:
         return _cmd_stagger(args, w, measure=False)
     budget = resolve_budget(args, w)
-    doc = build_plan(w, budget)
+    doc = build_plan(w, budget, attention=args.attention)
     print(json.dumps(doc, indent=2) if args.json else format_plan(doc))
     return 0
 
 
 # ---------------------------------------------------------------------------------------------------- simulate
-def format_summary(s: dict[str, object]) -> str:
-    """The human summary of a simulate run."""
-    w, m, p, a = s["workload"], s["measured"], s["plan"], s["agreement"]
-    assert isinstance(w, dict) and isinstance(m, dict) and isinstance(p, dict) and isinstance(a, dict)
+def _summary_header_lines(s: dict, w: dict) -> list[str]:
+    """The run's first two lines: workload, chunks, quantization, sessions/ranks; engine, calls, seconds, pool."""
     dry = s["engine"] == "accounting"
     engine = "accounting only (--dry-run, no tensors)" if dry else f"real caches on {s['device']}"
     ranks = int(w["ulysses"]) * int(w["tp"])
@@ -818,51 +898,47 @@ def format_summary(s: dict[str, object]) -> str:
         scope += f", {w['sessions']} session(s) x {w['cache_sets']} cache set(s) in one pool"
     if ranks > 1:
         scope += f", one rank of {ranks} ({int(w['heads']) // ranks} heads)"
-    lines = [
+    return [
         f"pagedqvg simulate: {w['name']}: {w['layers']} layers x {w['heads']} heads x {w['head_dim']}, "
         f"{w['tokens_per_frame']} tokens/frame, {s['chunks']} chunks of {w['chunk_frames']} frames, quant "
         f"{s['quant_measured']}{scope}",
         f"  {engine}: {_n(int(s['calls']))} calls in {s['seconds']:.2f} s; pool "
         f"{format_bytes(int(s['pool_capacity_bytes']))}",
     ]
-    if s["note"]:
-        lines.append(f"  note: {s['note']}")
-    source = "replayed" if dry else "measured"
-    rows = [("", source, "plan", "diff")]
 
-    def row(label: str, mk: str, pk: str) -> None:
+
+def _summary_table_lines(w: dict, m: dict, p: dict, source: str) -> list[str]:
+    """Measured (or replayed) vs plan: steady state, high-water, used, waste, transient view; segment bytes."""
+    rows = [("", source, "plan", "diff")]
+    for label, mk, pk in (
+        ("steady state (pool held)", "steady_state_bytes", "steady_state_bytes"),
+        ("high-water", "high_water_bytes", "high_water_bytes"),
+        ("used (rows)", "used_bytes", "used_bytes"),
+        ("waste", "waste_bytes", "waste_bytes"),
+        ("transient view (max)", "max_view_bytes", "transient_view_bytes"),
+    ):
         mv, pv = int(m[mk]), int(p[pk])
         diff = abs(mv - pv) / pv if pv else 0.0
         rows.append((label, format_bytes(mv), format_bytes(pv), f"{100 * diff:.2f}%"))
-
-    row("steady state (pool held)", "steady_state_bytes", "steady_state_bytes")
-    row("high-water", "high_water_bytes", "high_water_bytes")
-    row("used (rows)", "used_bytes", "used_bytes")
-    row("waste", "waste_bytes", "waste_bytes")
-    row("transient view (max)", "max_view_bytes", "transient_view_bytes")
-    rows.append(
-        (
-            f"{w['dtype']} / packed segments",
-            f"{format_bytes(int(m['bf16_bytes']))} / {format_bytes(int(m['packed_bytes']))}",
-            "",
-            "",
-        )
-    )
+    segments = f"{format_bytes(int(m['bf16_bytes']))} / {format_bytes(int(m['packed_bytes']))}"
+    rows.append((f"{w['dtype']} / packed segments", segments, "", ""))
     rows.append((f"dense {w['dtype']} cache (reference)", "", format_bytes(int(p["dense_bf16_bytes"])), ""))
-    widths = [max(len(r[i]) for r in rows) for i in range(4)]
-    for r in rows:
-        lines.append("  " + "  ".join(c.ljust(widths[0]) if i == 0 else c.rjust(widths[i]) for i, c in enumerate(r)))
+    return _aligned(rows)
+
+
+def _summary_check_lines(s: dict, p: dict, a: dict, source: str) -> list[str]:
+    """The verdicts: measured vs plan (or why it was not checked) and the call-by-call comparison."""
     if a["checked"]:
         verdict = "agree" if a["ok"] else "DISAGREE"
-        lines.append(
+        lines = [
             f"  {source} vs plan: {verdict} (steady state {100 * a['steady_state_rel_diff']:.3f}%, "
             f"high-water {100 * a['high_water_rel_diff']:.3f}%; tolerance {100 * a['tolerance']:g}%)"
-        )
+        ]
     else:
-        lines.append(
+        lines = [
             f"  {source} vs plan: not checked, {s['chunks']} chunks do not reach the steady state "
             f"(plan: {p['warmup_chunks']} chunks); use --chunks {p['warmup_chunks']} or more"
-        )
+        ]
     acc = s.get("accounting")
     if isinstance(acc, dict):
         lines.append(
@@ -870,6 +946,12 @@ def format_summary(s: dict[str, object]) -> str:
             f"{acc['calls_compared']} calls identical"
             + (f"; first: {acc['first_mismatch']}" if acc["mismatches"] else "")
         )
+    return lines
+
+
+def _summary_output_lines(s: dict) -> list[str]:
+    """Plan-only figures of the packed settings (a bf16 run) and the files written."""
+    lines = []
     plan_only = s.get("plan_only")
     if plan_only:
         assert isinstance(plan_only, list)
@@ -887,7 +969,16 @@ def format_summary(s: dict[str, object]) -> str:
     for key, label in (("timeline_json", "timeline"), ("timeline_png", "plot")):
         if outs.get(key):
             lines.append(f"  {label}: {outs[key]}")
-    return "\n".join(lines)
+    return lines
+
+
+def format_summary(s: dict[str, object]) -> str:
+    """The human summary of a simulate run."""
+    w, m, p, a = s["workload"], s["measured"], s["plan"], s["agreement"]
+    assert isinstance(w, dict) and isinstance(m, dict) and isinstance(p, dict) and isinstance(a, dict)
+    source = "replayed" if s["engine"] == "accounting" else "measured"
+    lines = _summary_header_lines(s, w) + _summary_table_lines(w, m, p, source)
+    return "\n".join(lines + _summary_check_lines(s, p, a, source) + _summary_output_lines(s))
 
 
 def cmd_simulate(args: argparse.Namespace) -> int:
@@ -915,12 +1006,7 @@ def cmd_simulate(args: argparse.Namespace) -> int:
         plan = plan_geometry(geom)
         sim.check_fits(geom, device, plan.pool_bytes)
         timeline = sim.run_caches(geom, w, device=device, seed=seed, progress=args.progress)
-        measured = (
-            geom
-            if timeline.quant_mode == geom.quant.mode
-            else Geometry.from_workload(w, setting_quant(geom.quant, None))
-        )
-        accounting = sim.run_accounting(measured, w.chunks, progress=False)
+        accounting = sim.run_accounting(geom, w.chunks, progress=False)
     outputs = {"timeline_json": str(out_dir / "timeline.json")}
     plot = not args.no_plot
     if plot:

@@ -20,9 +20,10 @@ from dataclasses import dataclass
 import torch
 
 from .allocator import BlockPool, RangeEntry, RangeIndex
-from .kernels.dispatch import page_fill, page_write, view_build, view_runs
+from .kernels.dispatch import kernel_backend, page_fill, page_write, view_build, view_runs
+from .kernels.page_write import split_halves
 from .kernels.rows import int64_on, segment_row_index, token_rows
-from .kernels.view_build import view_build_torch
+from .kernels.view_build import gather_plan, view_build_torch
 from .kernels.view_runs import RUN_COLUMNS, dense_runs, packed_runs, zero_runs
 from .layout import DenseTokenLayout
 from .packing import PackedStore
@@ -37,11 +38,13 @@ Spans = list[tuple[list[tuple[int, int]], int]]
 
 @dataclass(frozen=True, slots=True)
 class WritePlan:
-    """Destinations of one write: the row index (kernels/rows.py) `page_idx`, `slot_idx`, each int64 `[2, B, n]`.
-    Valid until `PageIO.invalidate`."""
+    """Destinations of one write: the row index (kernels/rows.py) `page_idx`, `slot_idx`, each int64 `[2, B, n]`,
+    and its K and V halves split once (`halves`, `kernels.page_write.split_halves`; the torch reference's). Valid
+    until `PageIO.invalidate`."""
 
     page_idx: torch.Tensor
     slot_idx: torch.Tensor
+    halves: tuple | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -49,7 +52,9 @@ class ViewPlan:
     """Sources of one view of `tokens` rows (valid until `PageIO.invalidate`): dense rows only as a row index
     (`page_idx`, `slot_idx`, int64 `[2, B, tokens]`; one `view_build`), else a run table (`runs` int64
     `[P, RUN_COLUMNS]`, the view's packed segments' codebook pages `cb_pages`, the longest run `max_run`; one
-    `view_runs`)."""
+    `view_runs`). On the torch backend a dense view also keeps what `view_build_torch` derives from its row index
+    (`gather`: `kernels.view_build.gather_plan`'s source view and unit index), so a repeated view is one
+    `index_select` into the output: no index arithmetic, no host read, no allocation."""
 
     tokens: int
     page_idx: torch.Tensor | None = None
@@ -57,6 +62,7 @@ class ViewPlan:
     runs: torch.Tensor | None = None
     cb_pages: torch.Tensor | None = None
     max_run: int = 0
+    gather: tuple[torch.Tensor, torch.Tensor] | None = None
 
 
 class PageIO:
@@ -71,6 +77,8 @@ class PageIO:
         ValueError: the layout's page size differs from the pool's, or a page holds no whole token.
 
     Attributes:
+        backend: "torch" or "triton", resolved once here (`kernels.dispatch.kernel_backend`, which reads
+            `PAGEDQVG_KERNELS`) and passed to every kernel call, so no call reads the environment.
         run_cap: longest run of a run table, in tokens; None: runs are cut at page ends only. (It balances the
             Triton kernel's programs; the torch reference expands runs to rows, so it does not care.)
         rows: the arena as token rows, `[num_pages, rows_per_page, H, D]` (a view; kernels/rows.py): what every
@@ -84,6 +92,7 @@ class PageIO:
                 f"pool's {pool.page_bytes} B pages (needs equal page sizes and at least one token per page)"
             )
         self.device = pool.device
+        self.backend = kernel_backend(pool.device)
         self.dtype = layout.dtype
         self.batch_size = layout.batch_size
         self.num_heads = layout.num_heads
@@ -121,11 +130,18 @@ class PageIO:
 
     # ------------------------------------------------------------ where rows live
     def _dense_index(self, entry: RangeEntry[Segment], lo: int, hi: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """Row index `[2, B, hi - lo]` of global tokens `[lo, hi)` of a dense segment."""
+        """Row index `[2, B, hi - lo]` of global tokens `[lo, hi)` of a dense segment: a slice (a view) of the
+        segment's whole row index, built at its first use and kept with the segment until its pages change (so a
+        plan rebuilt after an advance recomputes only the new segments' indices)."""
         seg = entry.value
-        if seg.pages_t is None:
-            seg.pages_t = int64_on(seg.pages, self.device)
-        return segment_row_index(seg.pages_t, self.rpp, lo - entry.start, hi - entry.start, self._kv_batch)
+        if seg.row_index is None:
+            if seg.pages_t is None:
+                seg.pages_t = int64_on(seg.pages, self.device)
+            n = entry.end - entry.start
+            seg.row_index = segment_row_index(seg.pages_t, self.rpp, 0, n, self._kv_batch)
+        p, sl = seg.row_index
+        a, b = lo - entry.start, hi - entry.start
+        return p[:, :, a:b], sl[:, :, a:b]
 
     def _row_index(
         self, index: RangeIndex[Segment], global_ranges: list[tuple[int, int]]
@@ -153,14 +169,15 @@ class PageIO:
         key = ("w", s, e, h0, hin)
         plan = self._plans.get(key)
         if plan is None:
-            plan = self.remember(key, WritePlan(*self._row_index(index, [(s, e)])))
+            p, sl = self._row_index(index, [(s, e)])
+            plan = self.remember(key, WritePlan(p, sl, split_halves(p, sl)))
         assert isinstance(plan, WritePlan)
         return plan
 
     def write(self, plan: WritePlan, h0: int, key: torch.Tensor, value: torch.Tensor) -> None:
         """Write key/value `[B, n, Hin, D]` (any strides) into heads `[h0, h0 + Hin)` of the rows of `plan`: one
         `page_write` (one indexed copy per K/V half on torch, one Triton launch)."""
-        page_write(self.rows, plan.page_idx, plan.slot_idx, h0, key, value)
+        page_write(self.rows, plan.page_idx, plan.slot_idx, h0, key, value, self.backend, plan.halves)
 
     def fill_tokens(
         self, entry: RangeEntry[Segment], lo: int, hi: int, k_fill: float = 0.0, v_fill: float = 0.0
@@ -169,10 +186,10 @@ class PageIO:
         `page_fill` over their row index (once, or once per K/V half when the fills differ)."""
         p, sl = self._dense_index(entry, lo, hi)
         if k_fill == v_fill:
-            page_fill(self.rows, p, sl, k_fill)
+            page_fill(self.rows, p, sl, k_fill, self.backend)
         else:
-            page_fill(self.rows, p[0], sl[0], k_fill)
-            page_fill(self.rows, p[1], sl[1], v_fill)
+            page_fill(self.rows, p[0], sl[0], k_fill, self.backend)
+            page_fill(self.rows, p[1], sl[1], v_fill, self.backend)
 
     # ------------------------------------------------------------ views
     def view_plan(self, index: RangeIndex[Segment], spans: Spans, h0: int, hin: int) -> ViewPlan:
@@ -185,7 +202,8 @@ class PageIO:
         if plan is None:
             if self._dense_only(index, spans):
                 p, sl = self._row_index(index, [g for global_ranges, _ in spans for g in global_ranges])
-                plan = ViewPlan(p.shape[2], page_idx=p, slot_idx=sl)
+                gather = gather_plan(self.rows, p, sl, h0, hin) if self.backend == "torch" else None
+                plan = ViewPlan(p.shape[2], page_idx=p, slot_idx=sl, gather=gather)
             else:
                 plan = self._run_plan(index, spans)
             self.remember(key, plan)
@@ -256,12 +274,12 @@ class PageIO:
         torch reference: one gather of the dense rows, one dequantization per packed segment)."""
         if plan.page_idx is not None:
             assert plan.slot_idx is not None
-            view_build(self.rows, plan.page_idx, plan.slot_idx, h0, hin, out)
+            view_build(self.rows, plan.page_idx, plan.slot_idx, h0, hin, out, self.backend, plan.gather)
             return
         st = self.packed
         packed = (st.token_view, st.codebook_rows, plan.cb_pages) if st is not None else (None, None, None)
         fmt = st.fmt if st is not None else None
-        view_runs(self.rows, *packed, plan.runs, h0, out.permute(2, 0, 1, 3, 4), fmt, plan.max_run)
+        view_runs(self.rows, *packed, plan.runs, h0, out.permute(2, 0, 1, 3, 4), fmt, plan.max_run, self.backend)
 
     # ------------------------------------------------------------ whole segments
     def read_dense(self, entry: RangeEntry[Segment]) -> torch.Tensor:

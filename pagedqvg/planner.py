@@ -1,6 +1,6 @@
 """Memory planning: exact page accounting of the paged cache, from the segment layouts of pagedqvg/layout.py.
 
-The model is the cache's own retention rule (shared/SEMANTICS.md), applied chunk by chunk:
+The model is the cache's own retention rule (docs/SEMANTICS.md), applied chunk by chunk:
 
 - one appended chunk is one segment; a bf16 segment of `n` tokens takes `DenseTokenLayout.pages_for_tokens(n)` pages,
   a packed one `PackedSegmentLayout.from_format(...).pages_for_tokens(n)` pages;
@@ -46,6 +46,7 @@ from dataclasses import dataclass
 import torch
 
 from .allocator import RangeEntry
+from .attention_budget import ATTN_TILE_TOKENS, attention_scratch_bytes, packed_decode_bytes
 from .layout import DenseTokenLayout, PackedSegmentLayout, PageChoice, choose_page_bytes, dtype_itemsize, segment_kinds
 from .policy import pack_targets, sink_segment_starts
 from .presets import Workload
@@ -64,6 +65,8 @@ PLAN_BITS: tuple[int | None, ...] = (None, 4, 2)
 POLICY_FIELDS: tuple[str, ...] = ("keep_recent_chunks", "sink", "sink_keep_chunks", "seed")
 #: Channels per fitted scale of `QuantConfig.compact()` (its `block_size`).
 COMPACT_BLOCK = QuantConfig.compact().block_size
+#: Attention modes the planner budgets: a transient view per call, or update_and_attend's scratch (attention.py).
+ATTENTION_MODES: tuple[str, ...] = ("view", "pages")
 #: Largest window (frames) the budget search tries.
 MAX_SEARCH_FRAMES = 1 << 20
 #: `plan_geometry` replays caches of up to this many chunks by default (beyond, the closed form: O(1)).
@@ -96,6 +99,7 @@ class Geometry:
     sessions: int = 1
     ranks: int = 1  # ulysses * tp: this geometry is one rank's caches
     page_choice: PageChoice | None = None  # set when the page size was chosen automatically
+    attention: str = "view"  # "view" (a transient K/V view per call) or "pages" (update_and_attend: tile scratch)
 
     @classmethod
     def from_workload(cls, w: Workload, quant: QuantConfig | None = None) -> Geometry:
@@ -215,6 +219,19 @@ class Geometry:
     def view_bytes(self, tokens: int) -> int:
         """Bytes of one call's K and V view of `tokens` tokens (all heads)."""
         return 2 * self.batch_size * tokens * self.heads * self.head_dim * self.itemsize
+
+    def transient_bytes(self, view_tokens: int) -> int:
+        """Bytes one layer's call needs outside the pool: its K/V view of `view_tokens` tokens (`attention="view"`),
+        or `update_and_attend`'s scratch (`"pages"`, attention.py: `attention_scratch_bytes` for the chunk's query
+        rows plus `packed_decode_bytes` when packed; independent of the window)."""
+        if self.attention == "view":
+            return self.view_bytes(view_tokens)
+        args = (self.batch_size, self.chunk_tokens, self.heads, self.head_dim, self.dtype)
+        scratch = attention_scratch_bytes(*args)
+        fmt = self.packed_format()
+        if fmt is not None:
+            scratch += packed_decode_bytes(self.batch_size, self.heads, self.head_dim, ATTN_TILE_TOKENS, fmt)
+        return scratch
 
     def cache_kwargs(self) -> dict[str, object]:
         """Keyword arguments of `PagedCausalKVCache` for this geometry (pool, device, quant and name excluded)."""
@@ -635,10 +652,11 @@ class SettingPlan:
     used_bytes: int  # per layer: bytes really occupied inside the pages
     high_water_pages: int  # the whole pool
     view_tokens: int
-    view_bytes: int  # transient, one layer's view at a time, outside the pool
+    view_bytes: int  # transient, one layer's view (attention scratch with "pages") at a time, outside the pool
     dense_bytes: int  # the dense reference cache, per layer
     warmup_chunks: int | None  # chunks until the steady state is first reached (None: closed form, not computed)
     exact_by: str  # "closed form" or "replay"
+    attention: str = "view"  # what `view_bytes` is: the view ("view") or update_and_attend's scratch ("pages")
 
     @property
     def bytes(self) -> int:
@@ -697,6 +715,7 @@ class SettingPlan:
             "pool_bytes": self.pool_bytes,
             "transient_view_tokens": self.view_tokens,
             "transient_view_bytes": self.view_bytes,
+            "attention": self.attention,
             "budget_bytes": self.budget_bytes,
             "warmup_chunks": self.warmup_chunks,
         }
@@ -710,6 +729,7 @@ def plan_geometry(geom: Geometry, *, replay: bool | None = None) -> SettingPlan:
     common = dict(
         mode=geom.quant.mode,
         quant=geom.quant,
+        attention=geom.attention,
         caches=geom.caches,
         page_bytes=geom.page_bytes,
         chunk_tokens=geom.chunk_tokens,
@@ -731,7 +751,7 @@ def plan_geometry(geom: Geometry, *, replay: bool | None = None) -> SettingPlan:
             used_bytes=census.used_bytes,
             high_water_pages=census.pool_high_water(geom.caches),
             view_tokens=census.view_tokens,
-            view_bytes=geom.view_bytes(census.view_tokens),
+            view_bytes=geom.transient_bytes(census.view_tokens),
             warmup_chunks=census.steady_index + 1,
             exact_by="replay",
         )
@@ -748,7 +768,7 @@ def plan_geometry(geom: Geometry, *, replay: bool | None = None) -> SettingPlan:
         used_bytes=closed_form_used_bytes(geom),
         high_water_pages=pages * geom.caches + (max(0, bf16_seg - packed_seg) if npk else 0),
         view_tokens=view,
-        view_bytes=geom.view_bytes(view),
+        view_bytes=geom.transient_bytes(view),
         warmup_chunks=None,
         exact_by="closed form",
     )
@@ -881,7 +901,7 @@ def max_sessions(geom: Geometry, budget: int, limit: int = MAX_SESSIONS) -> int:
     one = dataclasses.replace(geom, caches=per, sessions=1)
     if one.scene_cut_every:
         census = replay_layer(one)
-        view = geom.view_bytes(census.view_tokens)
+        view = geom.transient_bytes(census.view_tokens)
 
         def pages(caches: int) -> int:
             return census.pool_high_water(caches)

@@ -1,4 +1,4 @@
-"""Model presets: the per-layer cache shapes and call patterns of the callers in shared/SEMANTICS.md.
+"""Model presets: the per-layer cache shapes and call patterns of the callers in docs/SEMANTICS.md.
 
 A `Workload` is everything `pagedqvg plan` and `pagedqvg simulate` need: the model shape, the chunking, the sink and
 window (in latent frames), the page size, the call pattern and the quantization settings. Every field can be
@@ -14,7 +14,7 @@ Geometry of one layer's cache (frames are latent frames; `tpf` = tokens per fram
 
 `sink_tokens`, `global_sink_tokens`, `cache_size_tokens` and `attention_window_tokens` override the derived values.
 
-Choices made for the presets (SEMANTICS.md gives shapes, not every knob):
+Choices made for the presets (docs/SEMANTICS.md gives shapes, not every knob):
 
 - `lingbot-world` and `self-forcing`: the first frames are a permanent global sink, `S = GS = sink_frames * tpf`
   (effective sink `E = S`). Self-Forcing's sink is one 3-frame chunk.

@@ -28,6 +28,8 @@ class Segment:
     n_token_pages: int = 0  # packed: pages[:n_token_pages] hold token rows, the rest codebooks
     pack_failed: bool = False  # held non-finite values when the policy tried to pack it (retried after a rewrite)
     lossy: bool = False  # dense rows that came back from a packed form (until a full rewrite of every token and head)
+    # dense: the row index `(page_idx, slot_idx)` `[2, B, tokens]` of all its tokens (page_io.PageIO; None when stale)
+    row_index: tuple[torch.Tensor, torch.Tensor] | None = None
 
     @property
     def packed(self) -> bool:

@@ -33,7 +33,6 @@ from .planner import (
     call_pattern,
     mode_quant,
     plan_geometry,
-    setting_quant,
 )
 from .presets import Workload
 from .quant.config import QuantConfig
@@ -68,7 +67,7 @@ COMPARED_FIELDS: tuple[str, ...] = (
 )
 #: Largest relative difference between measured and planned steady state / high-water that counts as agreement.
 AGREEMENT_TOLERANCE = 0.01
-SUMMARY_SCHEMA = "pagedqvg.simulate/1"
+SUMMARY_SCHEMA = "pagedqvg.simulate/2"  # /2: no "note" (the bf16 fallback is gone)
 
 
 @dataclass(slots=True)
@@ -81,7 +80,6 @@ class Timeline:
     records: list[dict[str, object]] = field(default_factory=list)
     seconds: float = 0.0
     pool_capacity_bytes: int = 0
-    note: str = ""
 
 
 class _Totals:
@@ -269,24 +267,13 @@ def run_caches(
     """Run real caches over `w.chunks` chunks on `device` and record `BlockPool.stats()` after every call.
 
     The pool holds `capacity_bytes` (default: exactly the plan's pool pages, so a wrong plan fails loudly with
-    PoolExhaustedError). With quantization requested but not supported by the cache yet, the run falls back to
-    bf16 and says so in `Timeline.note`.
+    PoolExhaustedError). The caches run the requested quantization; any error building them propagates.
     """
     plan = plan_geometry(geom, replay=True)
     capacity = capacity_bytes if capacity_bytes is not None else plan.pool_bytes
     pool = BlockPool(capacity_bytes=capacity, page_bytes=geom.page_bytes, device=device)
-    note = ""
-    quant: QuantConfig | None = geom.quant if geom.quant.enabled else None
-    try:
-        caches = make_caches(geom, pool, quant)
-    except NotImplementedError:
-        note = (
-            f"the cache does not support quantization yet: ran bf16; {geom.quant.mode} figures are from the plan only"
-        )
-        caches = make_caches(geom, pool, None)
-        quant = None
-    mode = quant.mode if quant is not None else "off"
-    out = Timeline("caches", str(pool.device), mode, note=note, pool_capacity_bytes=pool.num_pages * pool.page_bytes)
+    caches = make_caches(geom, pool, geom.quant if geom.quant.enabled else None)
+    out = Timeline("caches", str(pool.device), geom.quant.mode, pool_capacity_bytes=pool.num_pages * pool.page_bytes)
     totals = _Totals(geom.caches)
     n = geom.chunk_tokens
     chunk_frames = n // geom.tokens_per_frame
@@ -302,7 +289,7 @@ def run_caches(
                     current = c.chunk
                     kv = data(c.chunk) if data is not None else chunk_kv(geom, chunk_frames, c.chunk, seed, pool.device)
                 view_tokens = _call(cache, c, kv, n)
-                if c.op == "advance" or (c.op != "pin" and quant is not None):
+                if c.op == "advance" or (c.op != "pin" and geom.quant.enabled):
                     bf16, packed = _pages_by_kind(cache)
                     totals.update(c.cache, bf16, packed, 0)
                 st = pool.stats()
@@ -400,10 +387,7 @@ def summarize(
     outputs: dict[str, str] | None = None,
 ) -> dict[str, object]:
     """The run's summary (JSON-ready): measured vs plan, the accounting check, plan-only packed figures."""
-    measured_geom = (
-        geom if timeline.quant_mode == geom.quant.mode else Geometry.from_workload(w, setting_quant(geom.quant, None))
-    )
-    plan = plan_geometry(measured_geom, replay=True)
+    plan = plan_geometry(geom, replay=True)
     recs = timeline.records
     measured = _measured(recs, chunk_end_records(recs))
     assert plan.warmup_chunks is not None
@@ -417,7 +401,6 @@ def summarize(
         "device": timeline.device,
         "quant_requested": geom.quant.mode,
         "quant_measured": timeline.quant_mode,
-        "note": timeline.note,
         "chunks": w.chunks,
         "calls": len(recs),
         "seconds": round(timeline.seconds, 3),
@@ -447,7 +430,7 @@ def summarize(
     if accounting is not None:
         compared, mismatches, first = compare_records(recs, accounting.records)
         summary["accounting"] = {"calls_compared": compared, "mismatches": mismatches, "first_mismatch": first}
-    if timeline.quant_mode != geom.quant.mode or not geom.quant.enabled:
+    if not geom.quant.enabled:
         summary["plan_only"] = _plan_only(w, geom)
     return summary
 

@@ -65,34 +65,41 @@ def video_kv(
 
     feats = torch.empty(batch, F, gh, gw, C)
     for b in range(batch):
-        # camera drift shared by all fields (frame heights/widths per frame) plus per-mode jitter
-        cam = torch.randn(2, generator=g) * 0.04
-        field = torch.zeros(F, gh, gw, C)
-        for c in range(C):
-            ky = torch.randint(-3, 4, (_MODES,), generator=g).float()
-            kx = torch.randint(-3, 4, (_MODES,), generator=g).float()
-            amp = torch.randn(_MODES, generator=g) / (1.0 + ky.abs() + kx.abs())
-            phase = torch.rand(_MODES, generator=g) * 2 * math.pi
-            vel = cam[:, None] + torch.randn(2, _MODES, generator=g) * 0.01
-            for m in range(_MODES):
-                arg = ky[m] * (yy - vel[0, m] * t) + kx[m] * (xx - vel[1, m] * t)
-                field[..., c] += amp[m] * torch.cos(2 * math.pi * arg + phase[m])
-        for _ in range(_BLOBS):
-            start = torch.rand(2, generator=g)
-            vel = torch.randn(2, generator=g) * 0.03
-            sigma = 0.08 + 0.1 * torch.rand(1, generator=g)
-            loading = torch.randn(C, generator=g) * 1.5
-            cy, cx = start[0] + vel[0] * t, start[1] + vel[1] * t
-            d2 = (yy - cy) ** 2 + (xx - cx) ** 2
-            field += torch.exp(-d2 / (2 * sigma**2))[..., None] * loading
-        field += torch.randn(F, gh, gw, C, generator=g) * _LATENT_NOISE
-        feats[b] = field
+        feats[b] = _latent_field(g, t, yy, xx)
     feats = feats.reshape(batch, F * T, C)
 
     k = _project(feats, num_heads, head_dim, g, outliers=_K_OUTLIERS, outlier_scale=8.0)
     v = _project(feats, num_heads, head_dim, g, outliers=_V_OUTLIERS, outlier_scale=4.0)
     k = _rope3d(k, F, gh, gw)
     return k.to(dtype), v.to(dtype)
+
+
+def _latent_field(g: torch.Generator, t: torch.Tensor, yy: torch.Tensor, xx: torch.Tensor) -> torch.Tensor:
+    """One video's latent features [F, h, w, C]: drifting plane waves, moving blobs and noise, drawn from `g` (the
+    draw order is part of `video_kv`'s output: same seed, same tensors). `t`, `yy`, `xx` broadcast to [F, h, w]."""
+    F, gh, gw, C = t.shape[0], yy.shape[1], xx.shape[2], _LATENT_CHANNELS
+    # camera drift shared by all fields (frame heights/widths per frame) plus per-mode jitter
+    cam = torch.randn(2, generator=g) * 0.04
+    field = torch.zeros(F, gh, gw, C)
+    for c in range(C):
+        ky = torch.randint(-3, 4, (_MODES,), generator=g).float()
+        kx = torch.randint(-3, 4, (_MODES,), generator=g).float()
+        amp = torch.randn(_MODES, generator=g) / (1.0 + ky.abs() + kx.abs())
+        phase = torch.rand(_MODES, generator=g) * 2 * math.pi
+        vel = cam[:, None] + torch.randn(2, _MODES, generator=g) * 0.01
+        for m in range(_MODES):
+            arg = ky[m] * (yy - vel[0, m] * t) + kx[m] * (xx - vel[1, m] * t)
+            field[..., c] += amp[m] * torch.cos(2 * math.pi * arg + phase[m])
+    for _ in range(_BLOBS):
+        start = torch.rand(2, generator=g)
+        vel = torch.randn(2, generator=g) * 0.03
+        sigma = 0.08 + 0.1 * torch.rand(1, generator=g)
+        loading = torch.randn(C, generator=g) * 1.5
+        cy, cx = start[0] + vel[0] * t, start[1] + vel[1] * t
+        d2 = (yy - cy) ** 2 + (xx - cx) ** 2
+        field += torch.exp(-d2 / (2 * sigma**2))[..., None] * loading
+    field += torch.randn(F, gh, gw, C, generator=g) * _LATENT_NOISE
+    return field
 
 
 def _grid(n: int) -> tuple[int, int]:

@@ -5,6 +5,13 @@ from hypothesis import HealthCheck, settings
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
+# The debug switch (pagedqvg/debug.py): the suite runs every data-reading argument check (index ranges), also in the
+# subprocesses it starts; tests of the production path turn it off locally (tests/test_repeated_call.py).
+os.environ["PAGEDQVG_DEBUG"] = "1"
+import pagedqvg
+
+pagedqvg.set_debug_checks(True)
+
 # Hypothesis profiles for the state-machine fuzz (tests/test_cache_fuzz.py).
 #   ci   (default): 140 examples x up to 50 steps; Hypothesis ends some programs early, measured ~42 steps per
 #         example -> ~6,000 state-machine steps for the main machine (~25 s on 2 cores).

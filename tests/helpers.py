@@ -38,6 +38,7 @@ from hypothesis import note as _hnote
 from hypothesis import strategies as st
 
 from pagedqvg import CacheConfigError, PagedCausalKVCache, SequencingError, policy
+from pagedqvg.allocator.pool import debug_state
 from pagedqvg.kernels.kmeans import distance_error_bound, kmeans_assign_torch, kmeans_update_torch
 
 CUDA = torch.cuda.is_available()
@@ -180,7 +181,7 @@ def cache_state(cache: PagedCausalKVCache) -> tuple:
         cache.global_end_index_int,
         cache.local_end_index_int,
         pool.stats(),
-        pool.debug_state(),
+        debug_state(pool),
         pool.arena.clone(),
     )
 

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import pydoc
+
 import pytest
 import torch
 from hypothesis import settings
@@ -10,6 +12,7 @@ from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, 
 
 from pagedqvg import BlockPool, PageOwnershipError, PoolExhaustedError
 from pagedqvg.allocator import PAGE_ALIGN_BYTES, available_memory_bytes
+from pagedqvg.allocator.pool import debug_state, set_used_bytes
 
 
 def test_fresh_pool_hands_out_lowest_ids_first_and_reuses_lifo():
@@ -28,24 +31,32 @@ def test_fresh_pool_hands_out_lowest_ids_first_and_reuses_lifo():
     pool.check()
 
 
+def test_help_documents_the_constructor_and_hides_the_internal_interface():
+    text = pydoc.render_doc(BlockPool, renderer=pydoc.plaintext)
+    for needle in ("capacity_bytes:", "page_bytes:", "device:", "multiple of 256", "pages"):
+        assert needle in text
+    for internal in ("debug_state", "set_used_bytes", "exhausted_error"):
+        assert internal not in text and not hasattr(BlockPool, internal)
+
+
 def test_alloc_zero_and_all_or_nothing():
     pool = BlockPool(capacity_bytes=3 * 512, page_bytes=512)
     assert pool.alloc(0, "a") == []
     pool.alloc(2, "a")
-    before = (pool.stats(), pool.debug_state())
+    before = (pool.stats(), debug_state(pool))
     with pytest.raises(PoolExhaustedError) as err:
         pool.alloc(2, "b")
     msg = str(err.value)
     assert "asked for 2 pages" in msg and "only 1 of 3 pages are free" in msg and "a#" not in msg
     assert "a: 2 pages" in msg and "512 B" in msg
     assert isinstance(err.value, MemoryError)
-    assert (pool.stats(), pool.debug_state()) == before
+    assert (pool.stats(), debug_state(pool)) == before
 
 
 def test_used_bytes_and_waste():
     pool = BlockPool(capacity_bytes=4 * 256, page_bytes=256)
     pool.alloc(3, "a")
-    pool.set_used_bytes("a", 600)
+    set_used_bytes(pool, "a", 600)
     s = pool.stats()
     assert (s.held_bytes, s.used_bytes, s.waste_bytes) == (768, 600, 168)
     pool.free([0, 1, 2], "a")
@@ -79,10 +90,10 @@ def test_reset_high_water_starts_a_new_peak_at_the_pages_held_now():
 def test_bad_free_changes_nothing(pages, owner, needle):
     pool = BlockPool(capacity_bytes=4 * 256, page_bytes=256)
     pool.alloc(1, "a")
-    before = (pool.stats(), pool.debug_state())
+    before = (pool.stats(), debug_state(pool))
     with pytest.raises(PageOwnershipError, match=needle):
         pool.free(pages, owner)
-    assert (pool.stats(), pool.debug_state()) == before
+    assert (pool.stats(), debug_state(pool)) == before
     pool.check()
 
 
@@ -212,7 +223,7 @@ class PoolMachine(RuleBasedStateMachine):
         self.high = 0
 
     def _snapshot(self):
-        return self.pool.stats(), self.pool.debug_state()
+        return self.pool.stats(), debug_state(self.pool)
 
     @rule(owner=st.sampled_from(OWNERS), n=st.integers(0, 14))
     def alloc(self, owner, n):
@@ -235,7 +246,7 @@ class PoolMachine(RuleBasedStateMachine):
     def free_some(self, data):
         owner = data.draw(st.sampled_from([o for o in self.OWNERS if self.held[o]]))
         pages = data.draw(st.lists(st.sampled_from(self.held[owner]), unique=True, min_size=1))
-        self.pool.set_used_bytes(owner, 0)  # an owner lowers its reported use before it gives pages back
+        set_used_bytes(self.pool, owner, 0)  # an owner lowers its reported use before it gives pages back
         self.pool.free(pages, owner)
         self.held[owner] = [p for p in self.held[owner] if p not in pages]
 
@@ -253,7 +264,7 @@ class PoolMachine(RuleBasedStateMachine):
 
     @rule(owner=st.sampled_from(OWNERS), used=st.integers(0, 4096))
     def report_used(self, owner, used):
-        self.pool.set_used_bytes(owner, min(used, len(self.held[owner]) * 256))
+        set_used_bytes(self.pool, owner, min(used, len(self.held[owner]) * 256))
 
     @invariant()
     def consistent(self):
@@ -273,10 +284,10 @@ def test_used_bytes_must_fit_the_owners_pages_and_shrink_with_a_partial_free():
     pool = BlockPool(capacity_bytes=4 * 256, page_bytes=256)
     pool.alloc(2, "a")
     with pytest.raises(ValueError, match="reports 600 B used but holds 512 B"):
-        pool.set_used_bytes("a", 600)
+        set_used_bytes(pool, "a", 600)
     with pytest.raises(ValueError, match="int >= 0"):
-        pool.set_used_bytes("a", 1.5)
-    pool.set_used_bytes("a", 500)
+        set_used_bytes(pool, "a", 1.5)
+    set_used_bytes(pool, "a", 500)
     pool.free([1], "a")
     assert pool.stats().used_bytes == 256 and pool.stats().waste_bytes == 0
     assert pool.release_owner("a") == 1 and pool.stats().used_pages == 0

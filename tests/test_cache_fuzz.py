@@ -17,28 +17,27 @@ import os
 import pytest
 import torch
 from dense_reference import CacheConfigError, DenseReferenceCache, SequencingError
+from fuzz_rules import MAX_LIVE_SEGMENTS_WITH_GROWTH, write_order_rules
 from helpers import (
     SegmentModel,
     cache_kwargs,
-    head_args,
     itemsize,
     make_kv,
     note,
     pages_for,
-    recent,
     same_error_kind,
     seeds,
 )
 from hypothesis import given, settings
 from hypothesis import strategies as st
-from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, rule, run_state_machine_as_test
+from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, run_state_machine_as_test
 
 from pagedqvg import BlockPool, PagedCausalKVCache, PoolExhaustedError
+from pagedqvg.allocator.pool import debug_state
 
 NUM_LAYERS = 3
 DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 MAX_C = 16
-MAX_LIVE_SEGMENTS_WITH_GROWTH = 24  # growth never rolls; the machine resets a layer before it holds more
 STEPS = [0]  # state-machine steps run in this process (invariant checks), for measuring the profiles
 
 
@@ -80,7 +79,10 @@ def pool_pages_needed(cfg):
 
 
 # ------------------------------------------------------------------------------------------------ the machine
-class PagedCacheMachine(RuleBasedStateMachine):
+class PagedCacheMachine(write_order_rules(NUM_LAYERS)):
+    """The rules are tests/fuzz_rules.py's (shared with the quantized machine); here: setup, the checked calls, the
+    page model and the invariants."""
+
     @initialize(cfg=configs())
     def setup(self, cfg):
         note(f"config: {cfg}")
@@ -100,7 +102,7 @@ class PagedCacheMachine(RuleBasedStateMachine):
     def snapshot(self, i):
         c = self.caches[i]
         pool = self.pool
-        dbg = pool.debug_state() if hasattr(pool, "debug_state") else None
+        dbg = debug_state(pool)
         return (
             pool.stats(),
             dbg,
@@ -188,161 +190,8 @@ class PagedCacheMachine(RuleBasedStateMachine):
             raise AssertionError(f"reference accepted {name}{args} but the cache raised {type(cexc).__name__}: {cexc}")
         return True
 
-    def max_append(self, i):
-        ref = self.refs[i]
-        return max(1, min(max_new_tokens(self.cfg), ref.C - ref.E))
-
-    def growth_guard(self, i):
-        if self.cfg["grow"] and len(self.models[i].segs) >= MAX_LIVE_SEGMENTS_WITH_GROWTH - 1:
-            self.do_reset(i)
-
-    def do_reset(self, i):
-        self.call_simple(i, "reset_indices")
-        self.models[i].clear()
-        self.last_chunk[i] = None
-
-    # ---------------------------------------------------------------- rules: normal operation
-    @rule(layer=st.integers(0, NUM_LAYERS - 1), data=st.data(), r=recent, seed=seeds)
-    def append(self, layer, data, r, seed):
-        self.growth_guard(layer)
-        ref = self.refs[layer]
-        a = data.draw(st.integers(1, self.max_append(layer)), label="a")
-        back = data.draw(st.sampled_from([0, 0, 0, 1, 2, 3]), label="back")
-        back = min(back, ref.G)
-        hin, h0 = head_args(data, self.cfg["H"])
-        self.call_write(layer, ref.G - back, a + back, hin, h0, r, seed)
-
-    @rule(layer=st.integers(0, NUM_LAYERS - 1), data=st.data(), r=recent, seed=seeds)
-    def rewrite_current_chunk(self, layer, data, r, seed):
-        last = self.last_chunk[layer]
-        ref = self.refs[layer]
-        if last is None or last[1] > ref.G:
-            return
-        hin, h0 = head_args(data, self.cfg["H"])
-        self.call_write(layer, last[0], last[1] - last[0], hin, h0, r, seed)
-
-    @rule(layer=st.integers(0, NUM_LAYERS - 1), data=st.data(), r=recent, seed=seeds)
-    def rewrite_retained(self, layer, data, r, seed):
-        ref = self.refs[layer]
-        if ref.G == 0 or ref.L == 0:  # nothing retained (e.g. a rewind emptied the rolling tail)
-            return
-        lo = max(0, ref.G - ref.L)
-        s = data.draw(st.integers(lo, ref.G - 1), label="s")
-        n = data.draw(st.integers(1, ref.G - s), label="n")
-        hin, h0 = head_args(data, self.cfg["H"])
-        self.call_write(layer, s, n, hin, h0, r, seed)
-
-    @rule(layer=st.integers(0, NUM_LAYERS - 1), data=st.data(), r=recent, seed=seeds)
-    def rewrite_anywhere(self, layer, data, r, seed):
-        """Any start in [0, G] and any length up to C + 2: evicted, sink, rewrite-and-extend, too large."""
-        self.growth_guard(layer)
-        ref = self.refs[layer]
-        s = data.draw(st.integers(0, ref.G), label="s")
-        # at most max_new_tokens new tokens (growth would otherwise double C without bound)
-        n = data.draw(st.integers(1, min(ref.C + 2, ref.G - s + max_new_tokens(self.cfg))), label="n")
-        hin, h0 = head_args(data, self.cfg["H"])
-        self.call_write(layer, s, n, hin, h0, r, seed)
-
-    @rule(data=st.data(), r=recent, seed=seeds)
-    def chunk_on_every_layer(self, data, r, seed):
-        """The caller pattern: per layer one advance, then 1-4 in-place rewrites of the same range."""
-        steps = data.draw(st.integers(1, 4), label="rewrites")
-        a = data.draw(st.integers(1, min(self.max_append(i) for i in range(NUM_LAYERS))), label="a")
-        for i in range(NUM_LAYERS):
-            self.growth_guard(i)
-            s = self.refs[i].G
-            self.call_write(i, s, a, self.cfg["H"], None, r, seed)
-            for k in range(steps):
-                self.call_write(i, s, a, self.cfg["H"], None, r, seed + k + 1)
-
-    @rule(layer=st.integers(0, NUM_LAYERS - 1), data=st.data())
-    def pin(self, layer, data):
-        n = data.draw(st.integers(0, self.refs[layer].L), label="pin_n")
-        self.call_simple(layer, "pin_current_chunk", n)
-
-    @rule(layer=st.integers(0, NUM_LAYERS - 1), data=st.data(), r=recent, seed=seeds)
-    def scene_cut(self, layer, data, r, seed):
-        """A chunk, its rewrites, a pin of that chunk (scene cut), then more chunks so the pinned chunk scrolls."""
-        self.growth_guard(layer)
-        a = data.draw(st.integers(1, self.max_append(layer)), label="a")
-        s = self.refs[layer].G
-        self.call_write(layer, s, a, self.cfg["H"], None, r, seed)
-        self.call_write(layer, s, a, self.cfg["H"], None, r, seed + 1)
-        self.call_simple(
-            layer, "pin_current_chunk", data.draw(st.sampled_from([a, a, max(0, a - 1), a + 1]), label="n")
-        )
-        for k in range(data.draw(st.integers(1, 6), label="more")):
-            self.growth_guard(layer)
-            b = data.draw(st.integers(1, self.max_append(layer)), label="b")
-            s = self.refs[layer].G
-            self.call_write(layer, s, b, self.cfg["H"], None, r, seed + 2 + 2 * k)
-            self.call_write(layer, s, b, self.cfg["H"], None, data.draw(recent, label="r2"), seed + 3 + 2 * k)
-
-    @rule(layer=st.integers(0, NUM_LAYERS - 1))
-    def reset(self, layer):
-        self.do_reset(layer)
-
-    @rule(layer=st.integers(0, NUM_LAYERS - 1), data=st.data())
-    def rewind(self, layer, data):
-        ref = self.refs[layer]
-        # boundaries matter most: the oldest rewindable position (tail start, or 0 before a roll), its neighbours,
-        # the current chunk's start, G, G + 1; plus any position in [0, G + 1]
-        floor = 0 if ref.G == ref.L else ref.G - (ref.L - ref.E)
-        last = self.last_chunk[layer][0] if self.last_chunk[layer] else 0
-        special = [p for p in (floor - 1, floor, floor + 1, last, ref.G - 1, ref.G, ref.G + 1) if p >= 0]
-        pos = data.draw(st.one_of(st.sampled_from(special), st.integers(0, ref.G + 1)), label="pos")
-        g = ref.G
-        if self.call_simple(layer, "rewind_to", pos):
-            if pos < g:
-                self.models[layer].rewind(pos)
-                self.last_chunk[layer] = None
-            self.models[layer].prune(ref)
-
-    @rule()
-    def reset_all(self):
-        for i in range(NUM_LAYERS):
-            self.do_reset(i)
-        st_ = self.pool.stats()
-        assert st_.used_pages == 0 and st_.free_pages == st_.total_pages == self.pool.num_pages, st_
-        assert st_.owner_pages == ()
-
-    # ---------------------------------------------------------------- rules: invalid calls
-    @rule(layer=st.integers(0, NUM_LAYERS - 1), data=st.data(), seed=seeds)
-    def invalid_write(self, layer, data, seed):
-        ref = self.refs[layer]
-        H = self.cfg["H"]
-        kind = data.draw(
-            st.sampled_from(["gap", "negative_start", "zero", "too_large", "evicted", "negative_r", "no_h0"]),
-            label="kind",
-        )
-        r = None
-        hin, h0 = H, None
-        if kind == "gap":
-            s, n = ref.G + data.draw(st.integers(1, 3), label="gap"), data.draw(st.integers(1, 3), label="n")
-        elif kind == "negative_start":
-            s, n = -data.draw(st.integers(1, 3), label="neg"), data.draw(st.integers(1, 3), label="n")
-        elif kind == "zero":
-            s, n = data.draw(st.integers(0, ref.G), label="s"), 0
-        elif kind == "too_large":
-            if self.cfg["grow"]:
-                return  # growth makes any chunk fit
-            s = ref.G - data.draw(st.integers(0, min(ref.G, 2)), label="back")
-            n = (ref.G - s) + ref.C - ref.E + data.draw(st.integers(1, 3), label="extra")
-        elif kind == "evicted":
-            if ref.G == ref.L:
-                return
-            s = data.draw(st.integers(0, ref.G - ref.L - 1), label="s")
-            n = data.draw(st.integers(1, ref.G - s), label="n")
-        elif kind == "negative_r":
-            s, n, r = ref.G, 1, -data.draw(st.integers(1, 3), label="r")
-        else:  # no_h0
-            if H == 1:
-                return
-            s, n, hin = ref.G, 1, data.draw(st.integers(1, H - 1), label="hin")
-        g, l_ = ref.G, ref.L
-        rv = self.call_write(layer, s, n, hin, h0, r, seed)
-        if kind in ("gap", "negative_start", "zero", "negative_r", "no_h0"):
-            assert rv is None and (g, l_) == (ref.G, ref.L), f"reference accepted an invalid {kind} write"
+    def max_new_tokens(self):
+        return max_new_tokens(self.cfg)
 
     # ---------------------------------------------------------------- invariants
     @invariant()
@@ -432,7 +281,7 @@ def test_pool_exhausted_changes_nothing(use_int):
 
     def snapshot():
         cache = caches[0]
-        return (pool.stats(), pool.debug_state(), cache.resident_nbytes(), cache.global_end_index_int,
+        return (pool.stats(), debug_state(pool), cache.resident_nbytes(), cache.global_end_index_int,
                 int(cache.global_end_index.item()), cache.local_end_index_int)  # fmt: skip
 
     before = snapshot()
@@ -499,7 +348,7 @@ def test_pool_exhaustion_random(cfg, seed, extra):
         s = refs[i].G
         before = (
             pool.stats(),
-            pool.debug_state(),
+            debug_state(pool),
             caches[i].resident_nbytes(),
             int(caches[i].global_end_index.item()),
             caches[i].global_end_index_int,
@@ -510,7 +359,7 @@ def test_pool_exhaustion_random(cfg, seed, extra):
             raised = True
             after = (
                 pool.stats(),
-                pool.debug_state(),
+                debug_state(pool),
                 caches[i].resident_nbytes(),
                 int(caches[i].global_end_index.item()),
                 caches[i].global_end_index_int,

@@ -48,6 +48,7 @@ from collections import Counter
 import pytest
 import torch
 from dense_reference import DenseReferenceCache
+from fuzz_rules import MAX_LIVE_SEGMENTS_WITH_GROWTH, write_order_rules
 from helpers import (
     SegmentModel,
     cache_kwargs,
@@ -69,12 +70,12 @@ from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, rule, run_state_machine_as_test
 
 from pagedqvg import BlockPool, PagedCausalKVCache, PoolExhaustedError, QuantConfig
+from pagedqvg.allocator.pool import debug_state
 from pagedqvg.quant import PackedFormat, prq_dequantize, prq_quantize
 
 NUM_LAYERS = 2
 D = 8
 MAX_C = 24
-MAX_LIVE_SEGMENTS_WITH_GROWTH = 24  # as in test_cache_fuzz: the machine resets a growing layer before it holds more
 STEPS = [0]  # invariant checks run in this process
 #: What the machine exercised in this process (printed by the test): packs, unpacks, packed rows checked, ...
 COUNTS: Counter[str] = Counter()
@@ -257,7 +258,7 @@ def chunk_sizes(most):
 
 
 # ------------------------------------------------------------------------------------------------ the machine
-class QuantFuzzMachine(RuleBasedStateMachine):
+class QuantFuzzMachine(write_order_rules(NUM_LAYERS)):
     """Per layer i: `refs[i]` (dense reference), `plain[i]` (quant off), `quant[i]` (quant on), one pool.
 
     The shadow: `shadow[i][g]` `[2, B, H, D]` is what the quant-on cache holds for global token g: the values written
@@ -298,7 +299,7 @@ class QuantFuzzMachine(RuleBasedStateMachine):
         pool = self.pool
         return (
             dataclasses.replace(pool.stats(), high_water_pages=0),  # a squeezed call's ballast raises the mark
-            pool.debug_state(),
+            debug_state(pool),
             cache.global_end_index_int,
             cache.local_end_index_int,
             int(cache.global_end_index.item()),
@@ -545,50 +546,34 @@ class QuantFuzzMachine(RuleBasedStateMachine):
         return True
 
     def do_reset(self, i):
-        self.call_simple(i, "reset_indices")
-        self.models[i].clear()
-        self.last_chunk[i] = None
+        super().do_reset(i)
         self.packed_from[i] = {}
         self.lossy[i].zero_()
 
-    def growth_guard(self, i):
-        if self.cfg["grow"] and len(self.models[i].segs) >= MAX_LIVE_SEGMENTS_WITH_GROWTH - 1:
-            self.do_reset(i)
+    def max_new_tokens(self):
+        return max_new_tokens(self.cfg)
 
-    def max_append(self, i):
-        ref = self.refs[i]
-        return max(1, min(max_new_tokens(self.cfg), ref.C - ref.E))
+    # ---------------------------------------------------------------- shared rules (tests/fuzz_rules.py): tuning
+    MAX_REWRITES = 3
+    SCENE_CUT_MORE = 4
+    SCENE_CUT_REWRITES = False
 
-    # ---------------------------------------------------------------- rules: normal operation
-    @rule(layer=layers, data=st.data(), r=recent, seed=seeds)
-    def append(self, layer, data, r, seed, small=False):
-        """An append, or a rewrite-and-extend starting up to 3 tokens back."""
-        self.growth_guard(layer)
-        ref = self.refs[layer]
-        most = self.max_append(layer)
-        a = data.draw(st.integers(1, max(1, most // 4)) if small else chunk_sizes(most), label="a")
-        back = min(data.draw(st.sampled_from([0, 0, 0, 1, 2, 3]), label="back"), ref.G)
-        hin, h0 = head_args(data, self.cfg["H"])
-        self.call_write(layer, ref.G - back, a + back, hin, h0, r, seed)
+    def chunk_tokens(self, most, small=False):
+        return st.integers(1, max(1, most // 4)) if small else chunk_sizes(most)
 
-    @rule(layer=layers, data=st.data(), r=recent, seed=seeds)
-    def rewrite_current_chunk(self, layer, data, r, seed):
-        last = self.last_chunk[layer]
-        if last is None or last[1] > self.refs[layer].G:
-            return
-        hin, h0 = head_args(data, self.cfg["H"])
-        self.call_write(layer, last[0], last[1] - last[0], hin, h0, r, seed)
+    def rewind_positions(self, layer):
+        return [x.start + 1 for x in segment_entries(self.quant[layer]) if x.value.packed]  # into a packed chunk
 
-    @rule(layer=layers, data=st.data(), r=recent, seed=seeds)
-    def rewrite_retained(self, layer, data, r, seed):
-        ref = self.refs[layer]
-        if ref.G == 0 or ref.L == 0:
-            return
-        s = data.draw(st.integers(max(0, ref.G - ref.L), ref.G - 1), label="s")
-        n = data.draw(st.integers(1, ref.G - s), label="n")
-        hin, h0 = head_args(data, self.cfg["H"])
-        self.call_write(layer, s, n, hin, h0, r, seed)
+    def rewind_started(self, layer, pos):
+        into = any(x.start < pos < x.end and x.value.packed for x in segment_entries(self.quant[layer]))
+        COUNTS["rewind attempts into a packed chunk"] += into
+        self.rewind_into_packed = into
 
+    def rewind_done(self, layer, pos, g):
+        COUNTS["rewinds into a packed chunk"] += self.rewind_into_packed and pos < g
+        self.sync_packed(layer)
+
+    # ---------------------------------------------------------------- rules of this machine
     @rule(layer=layers, data=st.data(), r=recent, seed=seeds)
     def rewrite_packed(self, layer, data, r, seed):
         """Part of a packed chunk (unpacks it), possibly extending past the global end."""
@@ -601,75 +586,6 @@ class QuantFuzzMachine(RuleBasedStateMachine):
         n = data.draw(st.integers(1, ref.G - s + data.draw(st.sampled_from([0, 0, 0, 2]), label="extend")), label="n")
         hin, h0 = head_args(data, self.cfg["H"])
         self.call_write(layer, s, n, hin, h0, r, seed)
-
-    @rule(layer=layers, data=st.data(), r=recent, seed=seeds)
-    def rewrite_anywhere(self, layer, data, r, seed):
-        """Any start in [0, G], any length up to C + 2: evicted, sink, rewrite-and-extend, too large."""
-        self.growth_guard(layer)
-        ref = self.refs[layer]
-        s = data.draw(st.integers(0, ref.G), label="s")
-        n = data.draw(st.integers(1, min(ref.C + 2, ref.G - s + max_new_tokens(self.cfg))), label="n")
-        hin, h0 = head_args(data, self.cfg["H"])
-        self.call_write(layer, s, n, hin, h0, r, seed)
-
-    @rule(data=st.data(), r=recent, seed=seeds)
-    def chunk_on_every_layer(self, data, r, seed):
-        """The caller pattern: per layer one advance, then 1-3 in-place rewrites of the same range."""
-        steps = data.draw(st.integers(1, 3), label="rewrites")
-        a = data.draw(chunk_sizes(min(self.max_append(i) for i in range(NUM_LAYERS))), label="a")
-        for i in range(NUM_LAYERS):
-            self.growth_guard(i)
-            s = self.refs[i].G
-            for k in range(steps + 1):
-                self.call_write(i, s, a, self.cfg["H"], None, r, seed + k)
-
-    @rule(layer=layers, data=st.data())
-    def pin(self, layer, data):
-        self.call_simple(layer, "pin_current_chunk", data.draw(st.integers(0, self.refs[layer].L), label="pin_n"))
-
-    @rule(layer=layers, data=st.data(), r=recent, seed=seeds)
-    def scene_cut(self, layer, data, r, seed):
-        """A chunk, a rewrite, a pin of it, then more chunks so that the pinned chunk scrolls (and gets packed)."""
-        self.growth_guard(layer)
-        a = data.draw(chunk_sizes(self.max_append(layer)), label="a")
-        s = self.refs[layer].G
-        self.call_write(layer, s, a, self.cfg["H"], None, r, seed)
-        self.call_write(layer, s, a, self.cfg["H"], None, r, seed + 1)
-        self.call_simple(layer, "pin_current_chunk", data.draw(st.sampled_from([a, a, max(0, a - 1), a + 1])))
-        for k in range(data.draw(st.integers(1, 4), label="more")):
-            self.growth_guard(layer)
-            b = data.draw(chunk_sizes(self.max_append(layer)), label="b")
-            self.call_write(layer, self.refs[layer].G, b, self.cfg["H"], None, r, seed + 2 + k)
-
-    @rule(layer=layers)
-    def reset(self, layer):
-        self.do_reset(layer)
-
-    @rule(layer=layers, data=st.data())
-    def rewind(self, layer, data):
-        ref = self.refs[layer]
-        floor = 0 if ref.G == ref.L else ref.G - (ref.L - ref.E)
-        packed = [x.start + 1 for x in segment_entries(self.quant[layer]) if x.value.packed]  # into a packed chunk
-        last = self.last_chunk[layer][0] if self.last_chunk[layer] else 0
-        special = [p for p in (floor - 1, floor, floor + 1, last, ref.G - 1, ref.G, ref.G + 1, *packed) if p >= 0]
-        pos = data.draw(st.one_of(st.sampled_from(special), st.integers(0, ref.G + 1)), label="pos")
-        g = ref.G
-        into_packed = any(x.start < pos < x.end and x.value.packed for x in segment_entries(self.quant[layer]))
-        COUNTS["rewind attempts into a packed chunk"] += into_packed
-        if self.call_simple(layer, "rewind_to", pos):
-            COUNTS["rewinds into a packed chunk"] += into_packed and pos < g
-            if pos < g:
-                self.models[layer].rewind(pos)
-                self.last_chunk[layer] = None
-            self.models[layer].prune(ref)
-            self.sync_packed(layer)
-
-    @rule()
-    def reset_all(self):
-        for i in range(NUM_LAYERS):
-            self.do_reset(i)
-        stats = self.pool.stats()
-        assert stats.used_pages == 0 and stats.free_pages == stats.total_pages and stats.owner_pages == (), stats
 
     @rule(layer=layers, data=st.data(), r=recent, seed=seeds, level=st.sampled_from([0, 0, 0, 1, 3]))
     def squeezed_write(self, layer, data, r, seed, level):
@@ -687,46 +603,11 @@ class QuantFuzzMachine(RuleBasedStateMachine):
             if kind == "rewrite_packed":
                 self.rewrite_packed(layer, data, r, seed)
             else:  # small: a deficit that packing the chunks held dense can cover
-                self.append(layer, data, r, seed, small=True)
+                self.append_chunk(layer, data, r, seed, small=True)
         finally:
             self.squeeze = None
 
-    # ---------------------------------------------------------------- rules: invalid and unusual calls
-    @rule(layer=layers, data=st.data(), seed=seeds)
-    def invalid_write(self, layer, data, seed):
-        ref = self.refs[layer]
-        H = self.cfg["H"]
-        kinds = ["gap", "negative_start", "zero", "too_large", "evicted", "negative_r", "no_h0"]
-        kind = data.draw(st.sampled_from(kinds), label="kind")
-        r = None
-        hin = H
-        if kind == "gap":
-            s, n = ref.G + data.draw(st.integers(1, 3), label="gap"), 2
-        elif kind == "negative_start":
-            s, n = -data.draw(st.integers(1, 3), label="neg"), 2
-        elif kind == "zero":
-            s, n = data.draw(st.integers(0, ref.G), label="s"), 0
-        elif kind == "too_large":
-            if self.cfg["grow"]:
-                return
-            s = ref.G - data.draw(st.integers(0, min(ref.G, 2)), label="back")
-            n = (ref.G - s) + ref.C - ref.E + data.draw(st.integers(1, 3), label="extra")
-        elif kind == "evicted":
-            if ref.G == ref.L:
-                return
-            s = data.draw(st.integers(0, ref.G - ref.L - 1), label="s")
-            n = data.draw(st.integers(1, ref.G - s), label="n")
-        elif kind == "negative_r":
-            s, n, r = ref.G, 1, -data.draw(st.integers(1, 3), label="r")
-        else:  # a head slice without cache_head_start
-            if H == 1:
-                return
-            s, n, hin = ref.G, 1, data.draw(st.integers(1, H - 1), label="hin")
-        g, l_ = ref.G, ref.L
-        rv = self.call_write(layer, s, n, hin, None, r, seed)
-        if kind in ("gap", "negative_start", "zero", "negative_r", "no_h0"):
-            assert rv is None and (g, l_) == (ref.G, ref.L), f"reference accepted an invalid {kind} write"
-
+    # ---------------------------------------------------------------- rules: unusual calls
     @rule(layer=layers, data=st.data(), r=recent, seed=seeds)
     def write_nonfinite(self, layer, data, r, seed):
         """inf / NaN in K or V (appended or rewritten; a third of the time, else a finite write of the same shape):

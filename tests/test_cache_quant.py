@@ -8,6 +8,7 @@ import torch
 from helpers import cursor, segment_at, segment_kind, sink_segment_starts
 
 from pagedqvg import BlockPool, CacheConfigError, PagedCausalKVCache, PoolExhaustedError, QuantConfig
+from pagedqvg.allocator.pool import debug_state
 from pagedqvg.synthetic import video_kv
 
 H, D, TPF = 2, 32, 16
@@ -221,10 +222,10 @@ def test_memory_pressure_packs_recent_chunks_early():
         s = 3 * CHUNK
         kk, vv = k[:, s : s + CHUNK], v[:, s : s + CHUNK]
         if not pressure:
-            before = (pool.stats(), pool.debug_state(), cache.segments())
+            before = (pool.stats(), debug_state(pool), cache.segments())
             with pytest.raises(PoolExhaustedError, match="asked for 12 pages"):
                 cache.update_and_get_attention_kv(key=kk, value=vv, current_chunk_start=s)
-            assert (pool.stats(), pool.debug_state(), cache.segments()) == before
+            assert (pool.stats(), debug_state(pool), cache.segments()) == before
         else:
             cache.update_and_get_attention_kv(key=kk, value=vv, current_chunk_start=s)
             kinds = [segment_kind(cache, st) for st, _, _ in cache.segments()]

@@ -78,7 +78,8 @@ def test_plan_json_schema(capsys, preset: str) -> None:
     for s in doc["settings"]:
         assert set(s) == {"mode", "quant", "exact_by", "page_bytes", "page_auto", "page_waste_by_kind", "per_layer",
                           "all_layers", "segment_pages", "ratio_vs_dense", "pool_pages", "pool_bytes",
-                          "transient_view_tokens", "transient_view_bytes", "budget_bytes", "warmup_chunks"}
+                          "transient_view_tokens", "transient_view_bytes", "budget_bytes", "warmup_chunks",
+                          "attention"}
         assert s["page_auto"] and s["per_layer"]["waste_bytes"] <= 0.01 * s["per_layer"]["bytes"]
         # per segment kind too, except compact's packed chunks on lingbot-world and self-forcing: no page meets
         # 0.5% for both kinds there, so auto takes the least waste of one segment of each kind together (160 KiB /
@@ -99,7 +100,8 @@ def test_plan_json_schema(capsys, preset: str) -> None:
     assert [f["mode"] for f in budget["fits"]] == ["off", "int4", "int2", "compact"]
     for f in budget["fits"]:
         assert set(f) == {"mode", "page_bytes", "max_window_frames", "search_limited", "cache_size_tokens",
-                          "budget_bytes", "pool_bytes", "min_window_frames", "min_budget_bytes", "max_sessions"}
+                          "budget_bytes", "pool_bytes", "min_window_frames", "min_budget_bytes", "max_sessions",
+                          "by_attention"}
         assert _is_int(f["max_window_frames"]) and f["budget_bytes"] <= budget["bytes"]
     frames = [f["max_window_frames"] for f in budget["fits"]]
     assert frames == sorted(frames) and frames[2] < frames[3]  # compact fits the most
@@ -221,6 +223,13 @@ def test_plan_budget_lines_show_compact(capsys) -> None:
     frames = {k: int(v.split()[1]) for k, v in lines.items()}
     assert frames["compact"] > frames["int2"] > frames["int4"] > frames["bf16"]
     assert "session(s) at 18 frames" in lines["compact"]
+
+
+def test_plan_help_does_not_offer_chunks(capsys) -> None:
+    assert main(["plan", "--help"]) == 0
+    assert "--chunks" not in capsys.readouterr().out
+    assert main(["simulate", "--help"]) == 0
+    assert "--chunks" in capsys.readouterr().out
 
 
 def test_version(capsys) -> None:
@@ -480,7 +489,7 @@ def test_console_script_exit_status() -> None:
 # ---------------------------------------------------------------------------------------------------- simulate
 def _summary_schema(s: dict) -> None:
     assert s["schema"] == SUMMARY_SCHEMA
-    assert set(s) == {"schema", "workload", "engine", "device", "quant_requested", "quant_measured", "note", "chunks",
+    assert set(s) == {"schema", "workload", "engine", "device", "quant_requested", "quant_measured", "chunks",
                       "calls", "seconds", "pool_capacity_bytes", "measured", "plan", "agreement", "accounting",
                       "plan_only", "outputs"}
     assert set(s["measured"]) == {"steady_state_bytes", "high_water_bytes", "used_bytes", "waste_bytes",
@@ -565,7 +574,7 @@ def test_simulate_compact_tiny(capsys, tmp_path: Path) -> None:
     assert code == 0, err
     s = json.loads(out)
     assert s["workload"]["quant"] == quant_as_dict(QuantConfig.compact(centroids=8, kmeans_iters=1))
-    assert s["quant_requested"] == s["quant_measured"] == s["plan"]["mode"] == "compact" and s["note"] == ""
+    assert s["quant_requested"] == s["quant_measured"] == s["plan"]["mode"] == "compact"
     assert s["measured"]["packed_bytes"] > 0
     assert s["agreement"]["ok"] and s["agreement"]["steady_state_rel_diff"] == 0.0
     assert s["agreement"]["high_water_rel_diff"] == 0.0

@@ -29,6 +29,7 @@ from test_threads import CACHES_PER_THREAD, PAGE_BYTES, kv, make_caches, random_
 import pagedqvg.packing as packing
 import pagedqvg.page_io as page_io
 from pagedqvg import BlockPool
+from pagedqvg.allocator.pool import debug_state
 
 LONG = os.environ.get("PAGEDQVG_FAULTS_PROFILE", "short") == "long"
 PROGRAMS = 200 if LONG else 12
@@ -72,7 +73,7 @@ def rows(cache) -> torch.Tensor:
 def check_pages(cache, pool: BlockPool) -> None:
     listed = [p for e in cache._seq.index for p in e.value.pages]
     assert len(set(listed)) == len(listed)
-    owners = pool.debug_state()[1]
+    owners = debug_state(pool)[1]
     assert all(owners[p] == cache.owner for p in listed), "a segment lists a page its cache does not own"
     assert pool.pages_of(cache.owner) == len(listed), "pages leaked (owned, listed by no segment)"
     pool.check()

@@ -16,6 +16,7 @@ from dense_reference import DenseReferenceCache
 from helpers import cache_state, same
 
 from pagedqvg import BlockPool, CacheConfigError, IntegrationError, QuantConfig, SequencingError
+from pagedqvg.allocator.pool import debug_state
 from pagedqvg.integrations import sglang as integ
 from pagedqvg.integrations.sglang import (
     PagedCausalSelfAttentionKVCache,
@@ -299,10 +300,10 @@ def _ctor_case(name):
 def test_bad_construction_is_refused_and_leaves_the_pool_unchanged(case):
     args, kw, pattern = _ctor_case(case)
     p = pool()
-    before = (p.stats(), p.debug_state(), p.arena.clone())
+    before = (p.stats(), debug_state(p), p.arena.clone())
     with pytest.raises(CacheConfigError, match=pattern):
         PagedCausalSelfAttentionKVCache(*args, pool=p, **kw)
-    after = (p.stats(), p.debug_state(), p.arena.clone())
+    after = (p.stats(), debug_state(p), p.arena.clone())
     assert before[:2] == after[:2] and torch.equal(before[2], after[2])
 
 

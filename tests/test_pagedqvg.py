@@ -13,7 +13,7 @@ import sys
 import pytest
 
 import pagedqvg
-from pagedqvg import cache, errors, quant, view
+from pagedqvg import cache, debug, errors, quant, view
 from pagedqvg.allocator import pool, range_index
 
 
@@ -21,6 +21,7 @@ def test_every_public_name_is_the_defining_module_object():
     homes = {
         "BlockPool": pool, "PoolStats": pool, "RangeIndex": range_index, "QuantConfig": quant,
         "CausalAttentionKVView": view, "PagedCausalKVCache": cache, "make_layer_caches": cache,
+        "debug_checks": debug, "set_debug_checks": debug,
     }  # fmt: skip
     for name in pagedqvg.__all__:
         home = homes.get(name, errors)

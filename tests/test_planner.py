@@ -146,6 +146,25 @@ def test_plan_equals_pool_stats_quantized(case: str) -> None:
     _run_and_check(QUANT_CASES[case])
 
 
+def test_simulate_propagates_cache_errors_instead_of_running_bf16(monkeypatch) -> None:
+    """A cache that refuses its quantization (here a SequencingError, a NotImplementedError) fails the run: no
+    silent bf16 run whose figures would pass for the requested mode's."""
+    import pagedqvg.simulate as sim
+    from pagedqvg.errors import SequencingError
+
+    real = sim.make_caches
+
+    def refuse_quantized(geom, pool, quant):
+        if quant is not None:
+            raise SequencingError("refused for the test")
+        return real(geom, pool, quant)
+
+    monkeypatch.setattr(sim, "make_caches", refuse_quantized)
+    w = tiny(chunks=3, quant=QuantConfig(bits=2, **SMALL_QUANT))
+    with pytest.raises(SequencingError, match="refused for the test"):
+        run_caches(Geometry.from_workload(w), w, data=random_data(Geometry.from_workload(w)), progress=False)
+
+
 def test_closed_form_equals_replay_on_a_grid() -> None:
     """Without pins the O(1) closed form and the replay agree on every figure (sinks, windows, pages, quant)."""
     checked = 0

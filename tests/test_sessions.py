@@ -13,6 +13,7 @@ import pytest
 import torch
 
 from pagedqvg import BlockPool, CacheClosedError, CacheConfigError, PoolExhaustedError, QuantConfig
+from pagedqvg.allocator.pool import debug_state
 from pagedqvg.sessions import SessionManager, SessionSpec, planned_session_pages
 
 PAGE = 1024
@@ -56,13 +57,13 @@ def test_refusal_names_sizes_and_changes_nothing():
     s = spec()
     need = manager.planned_pages(s)
     sessions = [manager.open(s) for _ in range(60 // need)]
-    before = pool.debug_state(), manager.open_sessions, manager.reserved_pages()
+    before = debug_state(pool), manager.open_sessions, manager.reserved_pages()
     with pytest.raises(PoolExhaustedError) as info:
         manager.open(s)
     err = info.value
     assert (err.needed_pages, err.free_pages) == (need, 60) and err.available_pages == 60 - need * len(sessions)
     assert f"needs {need} pages" in str(err) and "60 of 60 free" in str(err)
-    assert (pool.debug_state(), manager.open_sessions, manager.reserved_pages()) == before
+    assert (debug_state(pool), manager.open_sessions, manager.reserved_pages()) == before
     assert manager.refusals == 1
     sessions[0].close()
     manager.open(s).close()  # the closed session's reservation is free again

@@ -30,6 +30,7 @@ import pytest
 import torch
 
 from pagedqvg import BlockPool, PagedCausalKVCache, PoolExhaustedError, QuantConfig
+from pagedqvg.allocator.pool import exhausted_error
 
 LONG = os.environ.get("PAGEDQVG_THREADS_PROFILE", "short") == "long"
 THREADS = 8 if LONG else 4
@@ -259,7 +260,7 @@ def test_exhausted_error_under_concurrent_owner_changes(fast_switching):
     def ask() -> None:
         try:
             for _ in range(300):
-                pool.exhausted_error(10**6, "probe")
+                exhausted_error(pool, 10**6, "probe")
         except BaseException as exc:
             failures.append(exc)
 

@@ -108,6 +108,16 @@ def _locked(method):
 class BlockPool:
     """A fixed set of equal pages carved from one arena tensor, shared by every layer's cache.
 
+    Args:
+        capacity_bytes: bytes of K/V the pool may hold (an int > 0, at least one page). The pool has
+            `capacity_bytes // page_bytes` pages; the remainder (< one page) is not allocated.
+        page_bytes: bytes per page (an int > 0, a multiple of 256; default 1 MiB). Every page starts on a
+            256-byte boundary. `BlockPool.for_layers` picks the size `pagedqvg plan` would for a cache shape.
+        device: where the arena lives, `"cpu"`, `"cuda"` or `"cuda:N"` (default `"cpu"`).
+
+    The arena (`capacity_bytes // page_bytes * page_bytes` bytes of `uint8`) is allocated once, here; ValueError
+    (naming the value and the valid range) for a bad argument, before anything is allocated.
+
     Threads: every state change and every read of the shared tables holds `lock` (a re-entrant lock). Caches
     hold it across each check-then-act sequence (an advance's page check, frees and allocations; packing), so
     different threads may drive different caches of one pool. One cache is driven by one thread at a time, and
@@ -282,27 +292,13 @@ class BlockPool:
         return self._owner_pages.get(owner, 0)
 
     @_locked
-    def exhausted_error(self, requested: int, context: str = "") -> PoolExhaustedError:
-        """The error an over-budget request of `requested` pages gets (names sizes and the biggest holders)."""
-        top = ", ".join(f"{o}: {n} pages" for o, n in self._owner_pages.most_common(3)) or "none"
-        prefix = f"{context}: " if context else ""
-        return PoolExhaustedError(
-            f"{prefix}asked for {requested} pages of {self.page_bytes} B "
-            f"({format_bytes(requested * self.page_bytes)}), "
-            f"but only {len(self._free)} of {self.num_pages} pages are free "
-            f"({format_bytes(len(self._free) * self.page_bytes)} of {format_bytes(self.num_pages * self.page_bytes)}); "
-            f"largest holders: {top}. Give the pool more capacity_bytes, shrink the attention window, "
-            f"or turn on quantization."
-        )
-
-    @_locked
     def alloc(self, n: int, owner: str) -> list[int]:
         """Take `n` pages for `owner`, all or nothing. O(n). Raises PoolExhaustedError (pool unchanged)."""
         check_int("alloc: n", n, minimum=0, message=_METHOD_INT, type_message=_METHOD_INT)
         if not isinstance(owner, str) or not owner:
             raise ValueError(f"alloc: owner must be a non-empty str, got {owner!r}")
         if n > len(self._free):
-            raise self.exhausted_error(n, f"alloc for {owner}")
+            raise exhausted_error(self, n, f"alloc for {owner}")
         if n == 0:
             return []
         pages = self._free[-n:]
@@ -416,18 +412,6 @@ class BlockPool:
             if self._owner_pages.get(owner, 0):
                 self._release_owner(owner)
 
-    @_locked
-    def set_used_bytes(self, owner: str, nbytes: int) -> None:
-        """Record how many bytes of its pages `owner` really uses (for the waste figure). O(1)."""
-        check_int("set_used_bytes: nbytes", nbytes, minimum=0, message=_METHOD_INT, type_message=_METHOD_INT)
-        held = self._owner_pages.get(owner, 0) * self.page_bytes
-        if nbytes > held:
-            raise ValueError(f"set_used_bytes: {owner} reports {nbytes} B used but holds {held} B of pages")
-        if nbytes:
-            self._owner_used[owner] = nbytes
-        else:
-            self._owner_used.pop(owner, None)
-
     # ------------------------------------------------------------ accounting
     @_locked
     def stats(self) -> PoolStats:
@@ -452,11 +436,6 @@ class BlockPool:
         """Start a new high-water mark at the pages held now (to measure the peak of one phase, e.g. a benchmark's
         generation loop after the caches are set up). O(1)."""
         self._high_water = self.num_pages - len(self._free)
-
-    @_locked
-    def debug_state(self) -> tuple[tuple[int, ...], tuple[str | None, ...]]:
-        """The free stack and the owner table, for snapshot comparisons in tests."""
-        return tuple(self._free), tuple(self._owner_of)
 
     @_locked
     def check(self) -> None:
@@ -488,3 +467,50 @@ class BlockPool:
             f"BlockPool({self.num_pages} pages x {self.page_bytes} B = {format_bytes(self.num_pages * self.page_bytes)}"
             f" on {self.device}, {len(self._free)} free)"
         )
+
+
+# ---------------------------------------------------------------------------------------------------- internal
+# The interface between the pool and the caches (and the tests' snapshots): module functions, not BlockPool methods,
+# so the pool's public surface (`help(BlockPool)`) is what a user of the library calls.
+
+
+def exhausted_error(pool: BlockPool, requested: int, context: str = "") -> PoolExhaustedError:
+    """The error an over-budget request of `requested` pages gets (names sizes and the biggest holders)."""
+    with pool.lock:  # the owner table may change on other threads
+        return _exhausted_error(pool, requested, context)
+
+
+def _exhausted_error(pool: BlockPool, requested: int, context: str) -> PoolExhaustedError:
+    top = ", ".join(f"{o}: {n} pages" for o, n in pool._owner_pages.most_common(3)) or "none"
+    prefix = f"{context}: " if context else ""
+    free, page = len(pool._free), pool.page_bytes
+    return PoolExhaustedError(
+        f"{prefix}asked for {requested} pages of {page} B ({format_bytes(requested * page)}), "
+        f"but only {free} of {pool.num_pages} pages are free "
+        f"({format_bytes(free * page)} of {format_bytes(pool.num_pages * page)}); "
+        f"largest holders: {top}. Give the pool more capacity_bytes, shrink the attention window, "
+        f"or turn on quantization."
+    )
+
+
+def set_used_bytes(pool: BlockPool, owner: str, nbytes: int) -> None:
+    """Record how many bytes of its pages `owner` really uses (for the waste figure). O(1)."""
+    with pool.lock:
+        _set_used_bytes(pool, owner, nbytes)
+
+
+def _set_used_bytes(pool: BlockPool, owner: str, nbytes: int) -> None:
+    check_int("set_used_bytes: nbytes", nbytes, minimum=0, message=_METHOD_INT, type_message=_METHOD_INT)
+    held = pool._owner_pages.get(owner, 0) * pool.page_bytes
+    if nbytes > held:
+        raise ValueError(f"set_used_bytes: {owner} reports {nbytes} B used but holds {held} B of pages")
+    if nbytes:
+        pool._owner_used[owner] = nbytes
+    else:
+        pool._owner_used.pop(owner, None)
+
+
+def debug_state(pool: BlockPool) -> tuple[tuple[int, ...], tuple[str | None, ...]]:
+    """The free stack and the owner table, for snapshot comparisons in tests."""
+    with pool.lock:
+        return tuple(pool._free), tuple(pool._owner_of)

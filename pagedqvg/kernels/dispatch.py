@@ -13,8 +13,13 @@ import the kernels for CUDA tensors it warns once (with the import error) and us
 on Linux x86_64 / aarch64 (where it has wheels); without it every device uses the torch path, and
 `PAGEDQVG_KERNELS=triton` raises a RuntimeError that says to install it.
 
-`PAGEDQVG_KERNEL_CHECKS=1` makes every Triton launch check its row indices on the host first (an IndexError naming
-the bad value, like the torch references raise; costs a device sync per launch — for tests and debugging).
+The debug switch (`pagedqvg.debug`: `PAGEDQVG_DEBUG=1` or `PAGEDQVG_KERNEL_CHECKS=1` at import, or
+`set_debug_checks(True)`) makes every Triton launch check its row indices on the host first (an IndexError naming the
+bad value, like the torch references raise; costs a device sync per launch — for tests and debugging). The torch
+references check index ranges under the same switch only.
+
+Each op takes an optional `backend` ("torch" or "triton"): callers that resolved it once (`page_io.PageIO`, at
+construction) pass it, so a repeated call reads no environment variable; None resolves it per call.
 """
 
 from __future__ import annotations
@@ -28,6 +33,7 @@ from types import SimpleNamespace
 
 import torch
 
+from ..debug import debug_checks
 from .dequant import packed_dequant_torch
 from .kmeans import kmeans_assign_torch, kmeans_update_torch
 from .page_write import page_fill_torch, page_write_torch
@@ -89,8 +95,8 @@ def _warn_fallback() -> None:
 
 
 def _check_rows(rows: torch.Tensor, page_idx: torch.Tensor, slot_idx: torch.Tensor) -> None:
-    """With PAGEDQVG_KERNEL_CHECKS=1: the row indices a Triton launch will follow must lie inside `rows`."""
-    if os.environ.get("PAGEDQVG_KERNEL_CHECKS", "0") != "1" or page_idx.numel() == 0:
+    """Under the debug switch: the row indices a Triton launch will follow must lie inside `rows`."""
+    if not debug_checks() or page_idx.numel() == 0:
         return
     for name, idx, bound in (("page", page_idx, rows.shape[0]), ("slot", slot_idx, rows.shape[1])):
         lo, hi = int(idx.min()), int(idx.max())
@@ -117,37 +123,39 @@ def _triton(device: torch.device):
     return SimpleNamespace(**{name: sys.modules[f"{__package__}.{name}"] for name in _TRITON_MODULES})
 
 
-def page_write(rows, page_idx, slot_idx, head_start, key, value) -> None:
-    """Scatter key/value into token rows (see page_write.py)."""
-    if kernel_backend(rows.device) == "triton":
+def page_write(rows, page_idx, slot_idx, head_start, key, value, backend: str | None = None, halves=None) -> None:
+    """Scatter key/value into token rows (see page_write.py); `halves`: the torch reference's split index, kept by
+    the caller."""
+    if (backend or kernel_backend(rows.device)) == "triton":
         _check_rows(rows, page_idx, slot_idx)
         _triton(rows.device).triton_page_write.page_write_triton(rows, page_idx, slot_idx, head_start, key, value)
     else:
-        page_write_torch(rows, page_idx, slot_idx, head_start, key, value)
+        page_write_torch(rows, page_idx, slot_idx, head_start, key, value, halves)
 
 
-def page_fill(rows, page_idx, slot_idx, fill: float = 0.0) -> None:
+def page_fill(rows, page_idx, slot_idx, fill: float = 0.0, backend: str | None = None) -> None:
     """Fill every head of the addressed token rows."""
-    if kernel_backend(rows.device) == "triton":
+    if (backend or kernel_backend(rows.device)) == "triton":
         _check_rows(rows, page_idx, slot_idx)
         _triton(rows.device).triton_page_write.page_fill_triton(rows, page_idx, slot_idx, fill)
     else:
         page_fill_torch(rows, page_idx, slot_idx, fill)
 
 
-def view_build(rows, page_idx, slot_idx, head_start, num_heads, out):
-    """Gather visible token rows into `out` (see view_build.py)."""
-    if kernel_backend(rows.device) == "triton":
+def view_build(rows, page_idx, slot_idx, head_start, num_heads, out, backend: str | None = None, gather=None):
+    """Gather visible token rows into `out` (see view_build.py); `gather`: the torch reference's `gather_plan`,
+    kept by the caller."""
+    if (backend or kernel_backend(rows.device)) == "triton":
         _check_rows(rows, page_idx, slot_idx)
         kernels = _triton(rows.device).triton_view_build
         return kernels.view_build_triton(rows, page_idx, slot_idx, head_start, num_heads, out)
-    return view_build_torch(rows, page_idx, slot_idx, head_start, num_heads, out)
+    return view_build_torch(rows, page_idx, slot_idx, head_start, num_heads, out, gather)
 
 
 def packed_dequant(tokens, codebooks, pieces, cb_pages, head_start, out_t, fmt) -> None:
     """Dequantize pieces of packed segments straight from their pages into `out_t` (see dequant.py)."""
     if kernel_backend(out_t.device) == "triton":
-        if os.environ.get("PAGEDQVG_KERNEL_CHECKS", "0") == "1" and pieces.numel():
+        if debug_checks() and pieces.numel():
             first, count = pieces[:, 1], pieces[:, 2]
             if int(pieces[:, 0].max()) >= tokens.shape[0] or int((first + count).max()) > tokens.shape[1]:
                 raise IndexError(f"packed piece table leaves the token pages: {pieces.tolist()}")
@@ -171,7 +179,7 @@ def kmeans_update(x, ids, c_old):
     """Cluster means float32 [H, K, D] of x [H, S, D] by ids int64 [H, S]; empty clusters keep c_old (see kmeans.py;
     Triton sums in another fixed order: equal within the bound in kernels/kmeans.py)."""
     if kernel_backend(x.device) == "triton":
-        if os.environ.get("PAGEDQVG_KERNEL_CHECKS", "0") == "1" and ids.numel():
+        if debug_checks() and ids.numel():
             lo, hi = int(ids.min()), int(ids.max())
             if lo < 0 or hi >= c_old.shape[1]:
                 raise IndexError(f"centroid id out of range: {lo}..{hi}, valid 0..{c_old.shape[1] - 1}")
@@ -189,12 +197,12 @@ def residual_pack(resid, ids, dest, page_idx, slot_idx, fmt) -> None:
         residual_pack_torch(resid, ids, dest, page_idx, slot_idx, fmt)
 
 
-def view_runs(rows, tokens, codebooks, cb_pages, runs, head_start, out_t, fmt, max_run=None) -> None:
+def view_runs(rows, tokens, codebooks, cb_pages, runs, head_start, out_t, fmt, max_run=None, backend=None) -> None:
     """A whole mixed view from its run table: dense rows copied, packed rows dequantized, zero rows (see
     view_runs.py); K and V of every run in one Triton launch. `tokens`/`codebooks`/`cb_pages`/`fmt` are None for a
     cache without packed segments."""
-    if kernel_backend(out_t.device) == "triton":
-        if os.environ.get("PAGEDQVG_KERNEL_CHECKS", "0") == "1":
+    if (backend or kernel_backend(out_t.device)) == "triton":
+        if debug_checks():
             check_run_values(rows, tokens, codebooks, cb_pages, runs, out_t, fmt, max_run)
         _triton(out_t.device).triton_view_runs.view_runs_triton(
             rows, tokens, codebooks, cb_pages, runs, head_start, out_t, fmt, max_run

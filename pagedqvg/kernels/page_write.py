@@ -12,15 +12,32 @@ def page_write_torch(
     head_start: int,
     key: torch.Tensor,
     value: torch.Tensor,
+    halves: tuple | None = None,
 ) -> None:
     """Reference: `rows[page_idx[kv], slot_idx[kv], head_start:head_start+Hin] = (key, value)[kv]`.
 
-    `rows` is `[num_pages, rows_per_page, H, D]`; `page_idx`/`slot_idx` are `[2, B, n]`. Exact (a copy).
+    `rows` is `[num_pages, rows_per_page, H, D]`; `page_idx`/`slot_idx` are `[2, B, n]`; `halves`, when a caller
+    kept it, is `split_halves(page_idx, slot_idx)`. One `index_put_` per K/V half. Exact (a copy).
     """
-    hin = key.shape[2]
-    target = rows if (head_start == 0 and hin == rows.shape[2]) else rows[:, :, head_start : head_start + hin]
-    target.index_put_((page_idx[0], slot_idx[0]), key)
-    target.index_put_((page_idx[1], slot_idx[1]), value)
+    write_halves(head_rows(rows, head_start, key.shape[2]), halves or split_halves(page_idx, slot_idx), key, value)
+
+
+def split_halves(page_idx: torch.Tensor, slot_idx: torch.Tensor) -> tuple:
+    """The K and V halves of a row index, `((page_idx[0], slot_idx[0]), (page_idx[1], slot_idx[1]))` (views)."""
+    return (page_idx[0], slot_idx[0]), (page_idx[1], slot_idx[1])
+
+
+def head_rows(rows: torch.Tensor, head_start: int, num_heads: int) -> torch.Tensor:
+    """Heads `[head_start, head_start + num_heads)` of token rows `[num_pages, rows_per_page, H, D]` (a view; `rows`
+    itself for all heads)."""
+    return rows if (head_start == 0 and num_heads == rows.shape[2]) else rows[:, :, head_start : head_start + num_heads]
+
+
+def write_halves(target: torch.Tensor, halves: tuple, key: torch.Tensor, value: torch.Tensor) -> None:
+    """Write key into the rows of `halves[0]` and value into those of `halves[1]` (`split_halves`) of `target` (the
+    `head_rows` written). One `index_put_` per K/V half (no allocation, no host read)."""
+    target.index_put_(halves[0], key)
+    target.index_put_(halves[1], value)
 
 
 def page_fill_torch(rows: torch.Tensor, page_idx: torch.Tensor, slot_idx: torch.Tensor, fill: float = 0.0) -> None:

@@ -9,6 +9,11 @@ int2, and `QuantConfig.compact()`. Each launch is built by the kernel's own `*_l
 tile, warps and grid are exactly what a call at that shape would use; launches with the same kernel and
 constexprs compile once.
 
+Configs are chosen by shape where shapes differ: the row tile by head_dim and heads (`triton_common.tile_for`), the
+k-means tiles and warps by head_dim (`triton_kmeans.kmeans_warps`), the residual pack's tokens per program by the
+format's code bytes and blocks and its warps by `fit_scales` (`triton_residual_pack.pack_warps`). The presets all
+have head_dim 128 and at least 8 heads, so each kernel gets one config (and one binary) at every model shape.
+
 `python -m pagedqvg.kernels.triton_aot --report` prints the table; tests/test_kernels_compile_resources.py asserts
 0 spills for every row and pins the chosen configs.
 """

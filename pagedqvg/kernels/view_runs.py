@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import torch
 
+from ..debug import debug_checks
 from ..layout import page_pieces
 from ..quant import PackedFormat
 from .dequant import check_packed_dequant, packed_dequant_torch, piece_tokens
@@ -194,9 +195,12 @@ def view_runs_torch(
 ) -> None:
     """Reference: the dense runs' rows in one gather (`view_build_torch` on their row index) and one `index_copy_`
     into their output rows, the zero runs' rows in one `index_fill_`, all packed runs through `packed_dequant_torch`.
+    The table's values are range-checked (`check_run_values`, a host read) under the debug switch only
+    (`pagedqvg.debug`); its shape always.
     """
     check_view_runs(rows, tokens, codebooks, cb_pages, runs, head_start, out_t, fmt)
-    check_run_values(rows, tokens, codebooks, cb_pages, runs, out_t, fmt, max_run)
+    if debug_checks():
+        check_run_values(rows, tokens, codebooks, cb_pages, runs, out_t, fmt, max_run)
     B, heads = out_t.shape[2], out_t.shape[3]
     tpp = rows.shape[1] // (2 * B)
     live = runs[runs[:, 3] > 0]

@@ -1,0 +1,142 @@
+"""The repeated call (a later denoise step rewriting the current chunk) and the plans kept across an advance.
+
+Production settings (the debug switch off, as in a user's process): a repeated call allocates exactly one tensor
+(its view; none with `reuse_view_buffer=True`), reads nothing back to the host (`.item()`, `.tolist()`, `.cpu()`,
+`int()`/`bool()`/`float()` of a tensor), and reads no environment variable; an advance rebuilds the row index of the
+new segment only. Views stay equal to the dense reference bit for bit.
+"""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+from dense_reference import DenseReferenceCache
+from torch.utils._python_dispatch import TorchDispatchMode
+
+import pagedqvg
+from pagedqvg import BlockPool, PagedCausalKVCache
+
+B, H, D = 1, 4, 8
+CHUNK = 4
+
+
+class NewStorageCounter(TorchDispatchMode):
+    """Counts the tensors torch ops return on storages none of their inputs had (allocations, not views)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.ops: list[str] = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        seen = {
+            t.untyped_storage().data_ptr()
+            for a in [*args, *kwargs.values()]
+            for t in (a if isinstance(a, (list, tuple)) else [a])
+            if isinstance(t, torch.Tensor)
+        }
+        out = func(*args, **kwargs)
+        for t in out if isinstance(out, (list, tuple)) else [out]:
+            if isinstance(t, torch.Tensor) and t.untyped_storage().data_ptr() not in seen:
+                seen.add(t.untyped_storage().data_ptr())
+                self.ops.append(str(func))
+        return out
+
+
+@pytest.fixture
+def production():
+    """The debug switch off (index range checks read tensor data), restored afterwards."""
+    previous = pagedqvg.set_debug_checks(False)
+    yield
+    pagedqvg.set_debug_checks(previous)
+
+
+def filled(reuse: bool = False, **kw) -> tuple[PagedCausalKVCache, DenseReferenceCache, torch.Tensor, torch.Tensor]:
+    """A cache (sink 4, window rolled twice) and the dense reference after the same 10 chunks."""
+    geometry = dict(batch_size=B, cache_size=24, num_heads=H, head_dim=D, sink_tokens=CHUNK)
+    geometry.update(kw)
+    pool = BlockPool(capacity_bytes=1 << 20, page_bytes=1024)
+    cache = PagedCausalKVCache(pool=pool, dtype=torch.bfloat16, device="cpu", reuse_view_buffer=reuse, **geometry)
+    ref = DenseReferenceCache(dtype=torch.bfloat16, **geometry)
+    gen = torch.Generator().manual_seed(3)
+    k, v = (torch.randn(B, 12 * CHUNK, H, D, generator=gen).to(torch.bfloat16) for _ in range(2))
+    for c in range(10):
+        for target in (cache, ref):
+            repeat(target, k, v, c * CHUNK)
+    return cache, ref, k, v
+
+
+def repeat(cache, k, v, s=9 * CHUNK, **kw):
+    return cache.update_and_get_attention_kv(key=k[:, s : s + CHUNK], value=v[:, s : s + CHUNK],
+                                             current_chunk_start=s, **kw)  # fmt: skip
+
+
+@pytest.mark.parametrize("reuse", [False, True])
+@pytest.mark.parametrize("heads", [None, (1, 2)])
+def test_repeated_call_allocates_only_its_view(production, reuse, heads):
+    cache, _, k, v = filled(reuse)
+    kw = {}
+    if heads is not None:
+        h0, hin = heads
+        k, v, kw = k[:, :, h0 : h0 + hin], v[:, :, h0 : h0 + hin], {"cache_head_start": h0}
+    repeat(cache, k, v, **kw)  # plans the call
+    for _ in range(3):
+        with NewStorageCounter() as counter:
+            view = repeat(cache, k, v, **kw)
+        assert counter.ops == ([] if reuse else ["aten.empty.memory_format"]), counter.ops
+    assert view.k.shape == (B, 24, H if heads is None else heads[1], D)
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU], profile_memory=True) as prof:
+        repeat(cache, k, v, **kw)
+    allocations = [e.name for e in prof.events() if e.self_cpu_memory_usage > 0]
+    assert allocations == ([] if reuse else ["aten::empty"]), allocations  # nothing inside the ops either
+
+
+def test_repeated_call_reads_nothing_back_nor_the_environment(production, monkeypatch):
+    cache, ref, k, v = filled()
+    repeat(cache, k, v)
+    calls: list[str] = []
+    for name in ("item", "tolist", "cpu", "numpy", "__int__", "__bool__", "__float__", "__index__"):
+        real = getattr(torch.Tensor, name)
+        monkeypatch.setattr(torch.Tensor, name, lambda self, *a, _n=name, _r=real, **kw: calls.append(_n) or _r(
+            self, *a, **kw))  # fmt: skip
+    environ_reads: list[str] = []
+    real_get = os.environ.get
+    monkeypatch.setattr(os.environ, "get", lambda key, *a: environ_reads.append(key) or real_get(key, *a))
+    view = repeat(cache, k, v)
+    monkeypatch.undo()
+    assert calls == [] and environ_reads == [], (calls, environ_reads)
+    want = repeat(ref, k, v)
+    assert torch.equal(view.k, want.k) and torch.equal(view.v, want.v)
+
+
+def test_debug_switch_turns_the_index_checks_on(production):
+    from pagedqvg.kernels.view_build import view_build_torch
+
+    rows = torch.zeros(3, 4, 1, 2)
+    out = torch.empty(1, 1, 1, 1, 2)
+    bad_page, slot = torch.tensor([[[3]]]), torch.tensor([[[0]]])
+    assert not pagedqvg.debug_checks()
+    pagedqvg.set_debug_checks(True)
+    with pytest.raises(IndexError, match=r"page index out of range: 3\.\.3, valid 0\.\.2"):
+        view_build_torch(rows, bad_page, slot, 0, 1, out)
+
+
+def test_an_advance_keeps_the_row_indices_of_unchanged_segments(production):
+    cache, ref, k, v = filled()
+    repeat(cache, k, v)
+    before = {e.start: e.value.row_index for e in cache._seq.index}
+    assert all(x is not None for x in before.values())
+    s = 10 * CHUNK
+    got = cache.update_and_get_attention_kv(key=k[:, s : s + CHUNK], value=v[:, s : s + CHUNK], current_chunk_start=s)
+    want = ref.update_and_get_attention_kv(key=k[:, s : s + CHUNK], value=v[:, s : s + CHUNK], current_chunk_start=s)
+    assert torch.equal(got.k, want.k) and torch.equal(got.v, want.v)
+    after = {e.start: e.value.row_index for e in cache._seq.index}
+    kept = [g for g in after if g in before]
+    assert kept and all(after[g] is before[g] for g in kept)  # the same tensors: not rebuilt
+    assert after[s] is not None and s not in before  # only the new segment's index is new
+    for step in range(2):  # the denoise steps of the new chunk: equal to the reference
+        got = repeat(cache, k, v, s)
+        want = repeat(ref, k, v, s)
+        assert torch.equal(got.k, want.k) and torch.equal(got.v, want.v), step
