@@ -569,7 +569,7 @@ class PagedCausalKVCache:
             self._txn = None
             self._structure_changed()
             self._packer.report_used()
-            self._sync_cursors()
+            self._on_cursors_changed(self._seq.state.global_end, self._seq.state.local_end)
         finally:
             self._txn = None
             self.pool.lock.release()
