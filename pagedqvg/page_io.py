@@ -24,7 +24,7 @@ from .kernels.dispatch import kernel_backend, page_fill, page_write, view_build,
 from .kernels.page_write import split_halves
 from .kernels.rows import int64_on, segment_row_index, token_rows
 from .kernels.view_build import gather_plan, view_build_torch
-from .kernels.view_runs import RUN_COLUMNS, dense_runs, packed_runs, zero_runs
+from .kernels.view_runs import RUN_COLUMNS, RunsTorchPlan, dense_runs, packed_runs, runs_torch_plan, zero_runs
 from .layout import DenseTokenLayout
 from .packing import PackedStore
 from .segment import Segment
@@ -54,7 +54,8 @@ class ViewPlan:
     `[P, RUN_COLUMNS]`, the view's packed segments' codebook pages `cb_pages`, the longest run `max_run`; one
     `view_runs`). On the torch backend a dense view also keeps what `view_build_torch` derives from its row index
     (`gather`: `kernels.view_build.gather_plan`'s source view and unit index), so a repeated view is one
-    `index_select` into the output: no index arithmetic, no host read, no allocation."""
+    `index_select` into the output: no index arithmetic, no host read, no allocation; a run table keeps what
+    `view_runs_torch` derives from it (`runs_plan`: the runs token by token, the dense rows' gather)."""
 
     tokens: int
     page_idx: torch.Tensor | None = None
@@ -63,6 +64,7 @@ class ViewPlan:
     cb_pages: torch.Tensor | None = None
     max_run: int = 0
     gather: tuple[torch.Tensor, torch.Tensor] | None = None
+    runs_plan: RunsTorchPlan | None = None
 
 
 class PageIO:
@@ -205,7 +207,7 @@ class PageIO:
                 gather = gather_plan(self.rows, p, sl, h0, hin) if self.backend == "torch" else None
                 plan = ViewPlan(p.shape[2], page_idx=p, slot_idx=sl, gather=gather)
             else:
-                plan = self._run_plan(index, spans)
+                plan = self._run_plan(index, spans, h0, hin)
             self.remember(key, plan)
         assert isinstance(plan, ViewPlan)
         return plan
@@ -232,7 +234,7 @@ class PageIO:
             return False
         return not any(e.value.packed for g, _ in spans for g0, g1 in g for e in index.overlapping(g0, g1))
 
-    def _run_plan(self, index: RangeIndex[Segment], spans: Spans) -> ViewPlan:
+    def _run_plan(self, index: RangeIndex[Segment], spans: Spans, h0: int, hin: int) -> ViewPlan:
         """The run table of a whole view (kernels/view_runs.py) from its spans: dense and packed token runs and
         zero runs (split at `run_cap` tokens), plus the concatenated codebook pages of its packed segments; one
         host->device copy. O(pages of the view)."""
@@ -266,7 +268,9 @@ class PageIO:
         n = RUN_COLUMNS * len(runs)
         table = desc[:n].view(len(runs), RUN_COLUMNS)
         max_run = max((run[3] for run in runs), default=0)
-        return ViewPlan(o, runs=table, cb_pages=desc[n:] if store is not None else None, max_run=max_run)
+        cb = desc[n:] if store is not None else None
+        derived = runs_torch_plan(self.rows, table, h0, hin, self.batch_size) if self.backend == "torch" else None
+        return ViewPlan(o, runs=table, cb_pages=cb, max_run=max_run, runs_plan=derived)
 
     def build_view(self, plan: ViewPlan, h0: int, hin: int, out: torch.Tensor) -> None:
         """Fill `out` `[2, B, plan.tokens, hin, D]` with heads `[h0, h0 + hin)` of the plan's rows: dense rows
@@ -279,7 +283,8 @@ class PageIO:
         st = self.packed
         packed = (st.token_view, st.codebook_rows, plan.cb_pages) if st is not None else (None, None, None)
         fmt = st.fmt if st is not None else None
-        view_runs(self.rows, *packed, plan.runs, h0, out.permute(2, 0, 1, 3, 4), fmt, plan.max_run, self.backend)
+        out_t = out.permute(2, 0, 1, 3, 4)
+        view_runs(self.rows, *packed, plan.runs, h0, out_t, fmt, plan.max_run, self.backend, plan.runs_plan)
 
     # ------------------------------------------------------------ whole segments
     def read_dense(self, entry: RangeEntry[Segment]) -> torch.Tensor:

@@ -140,3 +140,26 @@ def test_an_advance_keeps_the_row_indices_of_unchanged_segments(production):
         got = repeat(cache, k, v, s)
         want = repeat(ref, k, v, s)
         assert torch.equal(got.k, want.k) and torch.equal(got.v, want.v), step
+
+
+def test_repeated_view_with_zero_slots_keeps_its_row_expansion(production, monkeypatch):
+    """A view with never-filled slots is a run table (view_runs): its row expansion is derived once with the plan, so
+    the repeated call reads nothing back either; bits equal the reference's."""
+    geometry = dict(batch_size=B, cache_size=8, num_heads=H, head_dim=D, attention_window_size=4, global_sink_tokens=6)
+    pool = BlockPool(capacity_bytes=1 << 20, page_bytes=1024)
+    cache = PagedCausalKVCache(pool=pool, dtype=torch.bfloat16, device="cpu", **geometry)
+    ref = DenseReferenceCache(dtype=torch.bfloat16, **geometry)
+    gen = torch.Generator().manual_seed(4)
+    k, v = (torch.randn(B, 5, H, D, generator=gen).to(torch.bfloat16) for _ in range(2))
+    first = cache.update_and_get_attention_kv(key=k, value=v, current_chunk_start=0)
+    assert any(kind == "zeros" for *_, kind in cache.last_view_sources())
+    calls: list[str] = []
+    for name in ("item", "tolist", "cpu", "__int__", "__bool__", "__float__"):
+        real = getattr(torch.Tensor, name)
+        monkeypatch.setattr(torch.Tensor, name, lambda self, *a, _n=name, _r=real, **kw: calls.append(_n) or _r(
+            self, *a, **kw))  # fmt: skip
+    got = cache.update_and_get_attention_kv(key=k, value=v, current_chunk_start=0)
+    monkeypatch.undo()
+    assert calls == [], calls
+    want = ref.update_and_get_attention_kv(key=k, value=v, current_chunk_start=0)
+    assert torch.equal(got.k, want.k) and torch.equal(got.v, want.v) and torch.equal(first.k, got.k)

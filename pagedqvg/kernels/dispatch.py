@@ -197,10 +197,12 @@ def residual_pack(resid, ids, dest, page_idx, slot_idx, fmt) -> None:
         residual_pack_torch(resid, ids, dest, page_idx, slot_idx, fmt)
 
 
-def view_runs(rows, tokens, codebooks, cb_pages, runs, head_start, out_t, fmt, max_run=None, backend=None) -> None:
+def view_runs(
+    rows, tokens, codebooks, cb_pages, runs, head_start, out_t, fmt, max_run=None, backend=None, torch_plan=None
+) -> None:
     """A whole mixed view from its run table: dense rows copied, packed rows dequantized, zero rows (see
     view_runs.py); K and V of every run in one Triton launch. `tokens`/`codebooks`/`cb_pages`/`fmt` are None for a
-    cache without packed segments."""
+    cache without packed segments; `torch_plan`: the torch reference's `runs_torch_plan`, kept by the caller."""
     if (backend or kernel_backend(out_t.device)) == "triton":
         if debug_checks():
             check_run_values(rows, tokens, codebooks, cb_pages, runs, out_t, fmt, max_run)
@@ -208,4 +210,4 @@ def view_runs(rows, tokens, codebooks, cb_pages, runs, head_start, out_t, fmt, m
             rows, tokens, codebooks, cb_pages, runs, head_start, out_t, fmt, max_run
         )
     else:
-        view_runs_torch(rows, tokens, codebooks, cb_pages, runs, head_start, out_t, fmt, max_run)
+        view_runs_torch(rows, tokens, codebooks, cb_pages, runs, head_start, out_t, fmt, max_run, torch_plan)

@@ -25,13 +25,15 @@ concatenated codebook pages of the view's packed segments: one host->device copy
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 
 from ..debug import debug_checks
 from ..layout import page_pieces
 from ..quant import PackedFormat
 from .dequant import check_packed_dequant, packed_dequant_torch, piece_tokens
-from .view_build import view_build_torch
+from .view_build import gather_plan, view_build_torch
 
 DENSE, PACKED, ZERO = 0, 1, 2
 KINDS = (DENSE, PACKED, ZERO)
@@ -192,32 +194,65 @@ def view_runs_torch(
     out_t: torch.Tensor,
     fmt: PackedFormat | None,
     max_run: int | None = None,
+    plan: RunsTorchPlan | None = None,
 ) -> None:
     """Reference: the dense runs' rows in one gather (`view_build_torch` on their row index) and one `index_copy_`
     into their output rows, the zero runs' rows in one `index_fill_`, all packed runs through `packed_dequant_torch`.
     The table's values are range-checked (`check_run_values`, a host read) under the debug switch only
-    (`pagedqvg.debug`); its shape always.
+    (`pagedqvg.debug`); its shape always. `plan`: the `runs_torch_plan` of these arguments, kept by a caller that
+    repeats the view (the row expansion then costs nothing per call).
     """
     check_view_runs(rows, tokens, codebooks, cb_pages, runs, head_start, out_t, fmt)
     if debug_checks():
         check_run_values(rows, tokens, codebooks, cb_pages, runs, out_t, fmt, max_run)
     B, heads = out_t.shape[2], out_t.shape[3]
+    if plan is None:
+        plan = runs_torch_plan(rows, runs, head_start, heads, B)
+    if plan.dense_out is not None:
+        assert plan.dense_rows is not None
+        page, slot = plan.dense_rows
+        src = torch.empty(2, B, page.shape[2], heads, rows.shape[3], dtype=rows.dtype, device=rows.device)
+        view_build_torch(rows, page, slot, head_start, heads, src, plan.dense_gather)
+        out_t.index_copy_(0, plan.dense_out, src.permute(2, 0, 1, 3, 4))
+    if plan.zero_out is not None:
+        out_t.index_fill_(0, plan.zero_out, 0)
+    if plan.pieces is not None:
+        packed_dequant_torch(tokens, codebooks, plan.pieces, cb_pages, head_start, out_t, fmt)  # type: ignore[arg-type]
+
+
+@dataclass(frozen=True, slots=True)
+class RunsTorchPlan:
+    """What `view_runs_torch` derives from a run table for one head slice: the dense runs token by token (their row
+    index `dense_rows` `(page_idx, slot_idx)` `[2, B, n]`, its `view_build.gather_plan` `dense_gather`, their output
+    rows `dense_out` `[n]`), the zero runs' output rows `zero_out`, the live packed pieces `pieces` `[P, 5]`; None
+    where the table has no such run. All on the table's device."""
+
+    dense_rows: tuple[torch.Tensor, torch.Tensor] | None
+    dense_gather: tuple[torch.Tensor, torch.Tensor] | None
+    dense_out: torch.Tensor | None
+    zero_out: torch.Tensor | None
+    pieces: torch.Tensor | None
+
+
+def runs_torch_plan(rows: torch.Tensor, runs: torch.Tensor, head_start: int, heads: int, B: int) -> RunsTorchPlan:
+    """The `RunsTorchPlan` of run table `runs` over `rows` for heads `[head_start, head_start + heads)` of `B` batch
+    elements. O(rows of the view); reads counts back to the host (a sync on CUDA: build it once per plan)."""
     tpp = rows.shape[1] // (2 * B)
     live = runs[runs[:, 3] > 0]
     kind = live[:, 0]
     dense = live[kind == DENSE]
+    dense_rows = dense_gather = dense_out = zero_out = pieces = None
     if dense.shape[0]:
-        page, token, out_row = piece_tokens(dense[:, 1:])  # token by token
+        page, token, dense_out = piece_tokens(dense[:, 1:])  # token by token
         kv = torch.arange(2, device=runs.device)[:, None, None]
         b = torch.arange(B, device=runs.device)[None, :, None]
         slot = kv * (tpp * B) + token * B + b  # [2, B, n]
-        src = torch.empty(2, B, page.shape[0], heads, rows.shape[3], dtype=rows.dtype, device=rows.device)
-        view_build_torch(rows, page.expand_as(slot), slot, head_start, heads, src)
-        out_t.index_copy_(0, out_row, src.permute(2, 0, 1, 3, 4))
+        dense_rows = (page.expand_as(slot), slot)
+        dense_gather = gather_plan(rows, *dense_rows, head_start, heads)
     zero = live[kind == ZERO]
     if zero.shape[0]:
-        _, _, out_row = piece_tokens(zero[:, 1:])
-        out_t.index_fill_(0, out_row, 0)
-    pieces = live[kind == PACKED, 1:]
-    if pieces.shape[0]:
-        packed_dequant_torch(tokens, codebooks, pieces, cb_pages, head_start, out_t, fmt)  # type: ignore[arg-type]
+        _, _, zero_out = piece_tokens(zero[:, 1:])
+    packed = live[kind == PACKED, 1:]
+    if packed.shape[0]:
+        pieces = packed
+    return RunsTorchPlan(dense_rows, dense_gather, dense_out, zero_out, pieces)
