@@ -241,6 +241,10 @@ def _add_common(p: argparse.ArgumentParser, default_preset: str, *, simulate: bo
     # plan accepts --chunks only to refuse it with a reason (check_combinations); its --help does not offer it
     chunks_help = "chunks to simulate (default 20)" if simulate else argparse.SUPPRESS
     g.add_argument("--chunks", type=_int(1), help=chunks_help)
+    g.add_argument("--stagger", type=_int(0), help="sessions start this many chunks apart (pagedqvg/stagger.py)")
+    g.add_argument(
+        "--session-chunks", type=_int_list, help="with --stagger: chunks each session runs, e.g. 10,20,30"
+    )
     q = p.add_argument_group("quantization (SGLang flag names)")
     for flag, help_text, extra in _QUANT_FLAGS:
         q.add_argument(
@@ -903,6 +907,8 @@ def format_plan(doc: dict[str, object]) -> str:
 def cmd_plan(args: argparse.Namespace) -> int:
     """`pagedqvg plan`."""
     w = workload_from_args(args)
+    if args.stagger is not None:
+        return _cmd_stagger(args, w, measure=False)
     budget = resolve_budget(args, w)
     doc = build_plan(w, budget, attention=args.attention)
     print(json.dumps(doc, indent=2) if args.json else format_plan(doc))
@@ -1008,6 +1014,8 @@ def cmd_simulate(args: argparse.Namespace) -> int:
     from . import simulate as sim
 
     w = workload_from_args(args)
+    if args.stagger is not None:
+        return _cmd_stagger(args, w, measure=not args.dry_run)
     geom = Geometry.from_workload(w)
     device = args.device or "cpu"
     seed = args.seed or 0
@@ -1048,6 +1056,30 @@ def cmd_simulate(args: argparse.Namespace) -> int:
     if not agreement["ok"] or (isinstance(acc, dict) and acc["mismatches"]):
         return 1
     return 0
+
+
+# ---------------------------------------------------------------------------------------------------- stagger
+def _int_list(text: str) -> list[int]:
+    """`--session-chunks 10,20,30`: positive ints."""
+    try:
+        values = [int(x) for x in text.split(",")]
+    except ValueError:
+        values = []
+    if not values or min(values) < 1:
+        raise argparse.ArgumentTypeError(f"expected positive ints separated by commas, e.g. 10,20,30; got {text!r}")
+    return values
+
+
+def _cmd_stagger(args: argparse.Namespace, w, *, measure: bool) -> int:
+    """`plan` / `simulate` with `--stagger K`: staggered sessions (pagedqvg/stagger.py); exit 1 when measured and
+    planned pages differ at any call."""
+    from .stagger import format_stagger, stagger_report
+
+    geom = Geometry.from_workload(w)
+    chunks = args.chunks if args.command == "simulate" else None
+    doc = stagger_report(geom, args.stagger, args.session_chunks, chunks, measure=measure, device=args.device or "cpu")
+    print(json.dumps(doc, indent=2) if args.json else format_stagger(doc))
+    return 1 if doc.get("mismatches") else 0
 
 
 # ---------------------------------------------------------------------------------------------------- main
