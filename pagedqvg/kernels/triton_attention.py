@@ -44,6 +44,8 @@ _RUNTIME = ["q_len", "n_keys", "n_runs", "batch", "num_heads", "head_start", "hi
 #: Query rows and key rows per block on CUDA (Triton's interpreter: the same; its cost is per program).
 BLOCK_M = 64
 BLOCK_N = 64
+#: Key rows per block when the cache has packed sources (the decode's registers; compact spilled at 64).
+BLOCK_N_PACKED = 32
 
 
 @triton.jit
@@ -219,7 +221,7 @@ def attend_launch(
     out: torch.Tensor,
     *,
     block_m: int = BLOCK_M,
-    block_n: int = BLOCK_N,
+    block_n: int | None = None,
 ):
     """`(kernel, grid, args, kwargs)` of one attention launch (see the module docstring), or None for no queries.
 
@@ -228,6 +230,8 @@ def attend_launch(
     B, Tq, hin, D = query.shape
     if Tq == 0 or hin == 0:
         return None
+    if block_n is None:  # packed decode holds more registers: half the key block (no spills at sm_90, head_dim 128)
+        block_n = BLOCK_N if packed is None else BLOCK_N_PACKED
     block_d = max(16, next_pow2(D))
     acc_t = tl.float64 if query.dtype == torch.float32 else tl.float32
     dot_prec = "ieee" if query.dtype == torch.float32 else "tf32"
