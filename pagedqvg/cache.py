@@ -434,7 +434,8 @@ class PagedCausalKVCache:
         debug_name: str | None = None,
     ) -> torch.Tensor:
         """Write one chunk's K/V exactly as `update_and_get_attention_kv` does and return attention over the rows its
-        view would hold, without building the view (attention.py: tiles decoded from pages, online softmax in fp32).
+        view would hold, without building the view (attention.py: tiles decoded from pages, online softmax in fp32;
+        on the Triton backend one launch of kernels/triton_attention.py).
 
         Args:
             query: `[batch, query tokens, heads, head_dim]`, the cache dtype and device, `key`'s heads.

@@ -230,6 +230,9 @@ def attend_launch(
     B, Tq, hin, D = query.shape
     if Tq == 0 or hin == 0:
         return None
+    if rows.stride(3) != 1 or query.shape != out.shape:
+        raise ValueError(f"attention: rows need a last stride of 1 (got {rows.stride()}) and out the query's shape "
+                         f"{tuple(query.shape)} (got {tuple(out.shape)})")  # fmt: skip
     if block_n is None:  # packed decode holds more registers: half the key block (no spills at sm_90, head_dim 128)
         block_n = BLOCK_N if packed is None else BLOCK_N_PACKED
     block_d = max(16, next_pow2(D))
