@@ -4,8 +4,6 @@
 # folder (never committed, never installed); SGLang's heavy third-party imports that these tests never exercise
 # are placeholder modules (.ci/sglang_plugin.py), so nothing but the wheel is downloaded.
 #
-# Then LingBot-World in-process (tests/test_integrations_sglang_lingbot.py, 3 cases, about a minute).
-#
 # Expected: 49 passed, 1 skipped (CUDA + quant-videogen only), 1 deselected: test_causal_kv_cache_block_resets_
 # indices_in_place asserts `cache.k is k` and assigns `cache.k`, i.e. it writes the dense buffer directly, which
 # pagedqvg does not have (README "Use with SGLang": documented difference). It is then run alone and must fail on
@@ -54,10 +52,4 @@ if [ "$rc" -eq 0 ] || ! grep -q "assert cache.k is k" <<<"$out"; then
   exit 1
 fi
 echo "sglang_suite: documented difference confirmed ($documented fails on 'assert cache.k is k')"
-
-# LingBot-World in-process (tests/test_integrations_sglang_lingbot.py): a tiny random-weight transformer through
-# SGLang's LingBotWorldCausalDMDDenoisingStage, its dense cache vs pagedqvg (the test installs / uninstalls itself,
-# so the plugin's install() is off here). Expected: 3 passed.
-PAGEDQVG_SGLANG_INSTALL=0 TORCHDYNAMO_DISABLE=1 "$PYTHON" -m pytest -q -p no:cacheprovider -p sglang_plugin \
-  "$repo/tests/test_integrations_sglang_lingbot.py"
 echo "sglang_suite: done in $(( $(date +%s) - start )) s"

@@ -7,9 +7,11 @@ SGLang's realtime server drives it), caches allocated by the stage's own `_alloc
 - `--kv-cache-quant int2` (SGLang's `QVGKVQuantArgs`) and pagedqvg's compact mode through `install()`: the
   latents differ from the dense run by a relative error measured and bounded below.
 
-Runs where SGLang 0.5.23 is importable: .ci/sglang_suite.sh (extracted wheel, placeholder modules; a single-process
-gloo group as SGLang's unit-test conftest sets up). Elsewhere it skips. SGLang's sgl-kernel CPU ops are routed to
-torch by the test-only .ci/sglang_ci_cpu_ops hooks (applied before the model is built: SGLang binds them then).
+Runs where SGLang 0.5.23 and its runtime dependencies are importable: .ci/sglang_runtime.sh (after its installs;
+a single-process gloo group as SGLang's unit-test conftest sets up). Elsewhere it skips. Not in
+.ci/sglang_suite.sh: with msgspec a placeholder there, SGLang's distributed init fails (`unknown parallel field(s)`,
+sglang/srt/runtime_context.py:416). SGLang's sgl-kernel CPU ops are routed to torch by the test-only
+.ci/sglang_ci_cpu_ops hooks (applied before the model is built: SGLang binds them then).
 """
 
 from __future__ import annotations
@@ -17,6 +19,7 @@ from __future__ import annotations
 import os
 import socket
 import sys
+from importlib.metadata import entry_points
 from types import SimpleNamespace
 
 import pytest
@@ -71,11 +74,12 @@ def model():
                                    WORLD_SIZE="1").items():  # fmt: skip
                 mp.setenv(key, value)
             maybe_init_distributed_environment_and_model_parallel(tp_size=1, sp_size=1)
-        mp.syspath_prepend(os.path.join(CI, "sglang_ci_cpu_ops"))
-        import sglang_ci_cpu_ops
+        if "ci_cpu_ops" not in {e.name for e in entry_points(group="sglang.multimodal_gen.plugins")}:
+            mp.syspath_prepend(os.path.join(CI, "sglang_ci_cpu_ops"))  # not installed: register its hooks here
+            import sglang_ci_cpu_ops
 
-        sglang_ci_cpu_ops.register()
-        apply_plugin_hooks()
+            sglang_ci_cpu_ops.register()
+        apply_plugin_hooks()  # loads the installed plugins (SGLANG_PLUGINS selects them), applies every hook
         config = LingBotWorldVideoConfig()
         for key, value in ARCH.items():
             setattr(config.arch_config, key, value)
