@@ -196,5 +196,5 @@ def test_a_rolled_back_call_keeps_the_segment_objects(monkeypatch):
         cache.update_and_get_attention_kv(key=k, value=v, current_chunk_start=8)
     after = [(e.start, e.end, e.value, list(e.value.pages), e.value.kind) for e in cache._seq.index]
     assert [x[:2] + x[3:] for x in after] == [x[:2] + x[3:] for x in before]
-    assert all(a[2] is b[2] for a, b in zip(after, before))
+    assert all(a[2] is b[2] for a, b in zip(after, before, strict=True))
     pool.check()
