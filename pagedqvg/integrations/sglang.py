@@ -513,6 +513,9 @@ def quant_config_from_sglang(quant_args: Any, head_dim: int) -> QuantConfig | No
                     f"pagedqvg.QuantConfig or a dict of --kv-cache-quant* flags"
                 )
             values = {n: getattr(quant_args, n) for n in names}
+            for n in ("sink_format", "recent_format"):  # pagedqvg's tier formats, when the object carries them
+                if getattr(quant_args, n, None) is not None:
+                    values[n] = getattr(quant_args, n)
             for n in ("asymmetric", "sink"):
                 if isinstance(values[n], int) and values[n] in (0, 1):
                     values[n] = bool(values[n])
