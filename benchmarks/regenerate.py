@@ -140,7 +140,7 @@ BENCHMARKS: tuple[Benchmark, ...] = (
     Benchmark(
         "vs_baselines",
         "pagedqvg vs the dense cache and the segment list (bench_vs_baselines.py)",
-        lambda a: [_script("bench_vs_baselines.py", *_quick(a, "--quick"))],
+        lambda a: [_script("bench_vs_baselines.py", *_quick(a, "--quick"), "--out", a.out)],
     ),
     Benchmark(
         "cpu_views",

@@ -18,6 +18,7 @@ from .errors import (
     PoolExhaustedError,
     PoolInvariantError,
     SequencingError,
+    SessionRefusedError,
 )
 from .quant import QuantConfig
 from .view import CausalAttentionKVView
@@ -54,6 +55,7 @@ __all__ = [
     "QuantConfig",
     "RangeIndex",
     "SequencingError",
+    "SessionRefusedError",
     "debug_checks",
     "make_layer_caches",
     "set_debug_checks",

@@ -11,6 +11,8 @@ so every error leaves the cache and the pool exactly as they were.
 
 from __future__ import annotations
 
+import copy
+import functools
 import weakref
 from typing import NamedTuple
 
@@ -29,6 +31,18 @@ from .validation import SUPPORTED_DTYPES, as_index, check_int
 from .view import CausalAttentionKVView
 
 __all__ = ["PagedCausalKVCache", "make_layer_caches"]
+
+
+def _holding_pool_lock(method):
+    """Run a cache method holding its pool's lock: its check-then-act steps on the pool (free pages counted, then
+    pages freed and taken; packing) are atomic with respect to other threads driving other caches of the pool."""
+
+    @functools.wraps(method)
+    def wrapper(self, *args, **kwargs):
+        with self.pool.lock:
+            return method(self, *args, **kwargs)
+
+    return wrapper
 
 
 _VIEW_CALL = "update_and_get_attention_kv"
@@ -145,6 +159,7 @@ class PagedCausalKVCache:
         self._io.build_view(plan, 0, H, out)
         return out
 
+    @_holding_pool_lock
     def _adopt(self, global_end: int, local_end: int, pin_start: int, pin_len: int) -> None:
         """Helper: start an empty cache at cursors `(global_end, local_end)` (checked by the caller: 0 <= local_end
         <= min(global_end, cache_size), pin inside `[0, local_end)`): slots `[0, local_end)` hold tokens `[global_end
@@ -223,6 +238,7 @@ class PagedCausalKVCache:
         )
         self._use_int = bool(use_int_indices)
         self._closed = False
+        self._txn: tuple | None = None  # the saved sequencer while a call runs as a transaction
         self._last_view_ranges: list[tuple[int, int]] = []
         self._g_tensor, self._l_tensor = cursor_tensors(global_end_index, local_end_index, self.device)
         # A cache collected without close() still gives its pages back.
@@ -458,16 +474,22 @@ class PagedCausalKVCache:
             shape = (self.batch_size, self._num_heads, self.head_dim)
             check_kv(self.debug_name, key, value, cache_head_start, shape, self.dtype, self.device)
             scale = check_query(query, key, softmax_scale, self.debug_name)
-            plan, h0, _, _, _ = self._write_and_plan(
-                key, value, current_chunk_start, cache_head_start, recent_window_tokens, what
-            )
-            return attend_pages(self._io, plan, h0, query, scale)
+
+            def write_and_attend():
+                plan, h0, _, _, _ = self._write_and_plan(
+                    key, value, current_chunk_start, cache_head_start, recent_window_tokens, what
+                )
+                return attend_pages(self._io, plan, h0, query, scale)
+
+            return self._transactional(write_and_attend)
         finally:
             self.debug_name = own
 
     def _update(self, key, value, current_chunk_start, cache_head_start, recent_window_tokens):
-        return self._finish_view(
-            *self._write_and_plan(key, value, current_chunk_start, cache_head_start, recent_window_tokens)
+        return self._transactional(
+            lambda: self._finish_view(
+                *self._write_and_plan(key, value, current_chunk_start, cache_head_start, recent_window_tokens)
+            )
         )
 
     def _write_and_plan(
@@ -492,14 +514,15 @@ class PagedCausalKVCache:
         if self._packed is not None:
             touched = self._seq.index.overlapping(s, min(plan.end, self._seq.state.global_end))
         unpack = [x for x in touched if x.value.packed]
-        if plan.new_tokens or unpack:
+        structural = bool(plan.new_tokens or unpack)
+        if structural:  # the caller's `_transactional` ends or rolls back what starts here
+            self._begin_transaction()
             self._commit(plan, unpack, hin)
-        for x in touched:
-            x.value.pack_failed = False  # new values: the policy may try again
-            if s <= x.start and x.end <= plan.end and hin == self._num_heads:
-                x.value.lossy = False  # every row rewritten: exact values again
+            self._rewritten(touched, s, plan.end, hin)
         write_plan = self._io.write_plan(self._seq.index, s, plan.end, h0, hin)
         self._io.write(write_plan, h0, key, value)
+        if not structural:  # a failed in-place write leaves the flags (the targeted rows may be old or new)
+            self._rewritten(touched, s, plan.end, hin)
         ranges = self._seq.view_ranges(plan.local_start, r)
         self._last_view_ranges = ranges
         view_plan = self._io.view_plan(self._seq.index, self._view_spans(ranges), h0, hin)
@@ -507,6 +530,51 @@ class PagedCausalKVCache:
             self._io.remember(fast_key, RepeatedCall(plan.local_start, plan.local_end, write_plan, ranges, view_plan))
         return view_plan, h0, hin, plan.local_start, plan.local_end
 
+    def _rewritten(self, touched: list[RangeEntry[Segment]], s: int, end: int, hin: int) -> None:
+        """Flags of the segments a write reached: the policy may pack them again; fully rewritten ones are exact."""
+        for x in touched:
+            x.value.pack_failed = False  # new values: the policy may try again
+            if s <= x.start and x.end <= end and hin == self._num_heads:
+                x.value.lossy = False  # every row rewritten: exact values again
+
+    # ------------------------------------------------------------ a call that raises has not happened
+    def _transactional(self, run):
+        """`run()`; a transaction it began (`_begin_transaction`: an advance, or a rewrite that unpacks) ends when
+        it returns and is rolled back if it raises, so such a call either happens whole or not at all."""
+        try:
+            out = run()
+        except BaseException:
+            if self._txn is not None:
+                self._rollback()
+            raise
+        if self._txn is not None:
+            self._txn = None
+            self.pool.journal_end()
+            self.pool.lock.release()
+        return out
+
+    def _begin_transaction(self) -> None:
+        """Hold the pool's lock (no other cache can take a page freed meanwhile), save the sequencer's spec, state and
+        segments, and journal this cache's allocations and frees (with a copy of each freed page's bytes: transient,
+        outside the pool). Cost per call: copies of the state, the segment table and the freed pages' bytes."""
+        self.pool.lock.acquire()
+        self._txn = (self._seq.spec, copy.deepcopy(self._seq.state), copy.deepcopy(self._seq.index))
+        self.pool.journal_begin(self.owner)
+
+    def _rollback(self) -> None:
+        """Undo the transaction: pages taken go back, pages freed return with their bytes, the sequencer is restored."""
+        try:
+            self.pool.journal_rollback()
+            self._seq.spec, self._seq.state, self._seq.index = self._txn
+            self._txn = None
+            self._structure_changed()
+            self._packer.report_used()
+            self._on_cursors_changed(self._seq.state.global_end, self._seq.state.local_end)
+        finally:
+            self._txn = None
+            self.pool.lock.release()
+
+    @_holding_pool_lock
     def _commit(self, plan: CallPlan[Segment], unpack: list[RangeEntry[Segment]], hin: int) -> None:
         """Commit `plan` to pages: pressure packs, released segments back to the pool, packed chunks the write
         touches unpacked, the new tokens' segment, then the pack policy. Raises PoolExhaustedError (nothing changed)
@@ -554,6 +622,7 @@ class PagedCausalKVCache:
         self._seq.pin(as_index("num_tokens", num_tokens, self.debug_name))
         self._structure_changed()
 
+    @_holding_pool_lock
     def reset_indices(self) -> None:
         """Empty the cache (a grown cache_size stays) and give every page back to the pool."""
         self._ensure_open("reset_indices")
@@ -565,6 +634,7 @@ class PagedCausalKVCache:
             self._g_tensor.zero_()
             self._l_tensor.zero_()
 
+    @_holding_pool_lock
     def rewind_to(self, pos: int) -> None:
         """Drop every token at global position `pos` and later, so the next append starts at `pos` (no dense
         equivalent); their pages go back to the pool, and a pin at or after the new local end is cleared.
@@ -586,6 +656,7 @@ class PagedCausalKVCache:
         self._packer.report_used()
         self._on_cursors_changed(self._seq.state.global_end, self._seq.state.local_end)
 
+    @_holding_pool_lock
     def close(self) -> None:
         """Give every page back; afterwards every call raises CacheClosedError. Idempotent."""
         if self._closed:
@@ -596,8 +667,10 @@ class PagedCausalKVCache:
 
 
 def _release_owner(pool: BlockPool, owner: str) -> None:
-    if pool.pages_of(owner):
-        pool.release_owner(owner)
+    """The finalizer of a cache collected without close(): garbage collection may run inside another pool
+    operation (or on another thread), so the pages are only queued; the pool gives them back at its next
+    operation, under its lock."""
+    pool.release_owner_later(owner)
 
 
 def make_layer_caches(num_layers: int, *, pool: BlockPool, **kwargs) -> list[PagedCausalKVCache]:

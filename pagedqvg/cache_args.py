@@ -48,6 +48,11 @@ def check_quant(quant: object, head_dim: int) -> None:
         quant.validate(head_dim=head_dim)
     except ValueError as exc:
         raise CacheConfigError(f"quant: {exc}") from None
+    if quant.tiered:  # formats by age (issue 23): configs, codecs and planner bytes exist; the cache's aging not yet
+        raise CacheConfigError(
+            f"quant: tier formats (sink {quant.tier_format('sink')}, recent {quant.recent_format}) are not "
+            "implemented in the cache yet; allowed: recent_format 'bf16' and sink_format None/'bf16'/the history's"
+        )
 
 
 def dense_layout(pool: BlockPool, B: int, H: int, D: int, dtype: torch.dtype) -> DenseTokenLayout:

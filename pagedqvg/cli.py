@@ -42,6 +42,7 @@ from .presets import (
     shape_text,
 )
 from .quant.config import SGLANG_KEYS, QuantConfig
+from .tiers import tier_summary, tier_used_bytes
 from .validation import DTYPES_BY_NAME, PAGE_ALIGN_BYTES, check_int
 
 PLAN_SCHEMA = "pagedqvg.plan/2"
@@ -156,7 +157,18 @@ _QUANT_FLAGS: tuple[tuple[str, str, dict], ...] = (
     ("--kv-cache-quant-keep-recent", "completed chunks kept dense, in the cache dtype (default 1)", {}),
     ("--kv-cache-quant-sink-keep", "sink chunks kept dense when the sink is packed (default 0)", {}),
     ("--kv-cache-quant-asymmetric", "per-block scale and zero (default false)", {"nargs": "?", "const": "true"}),
-    ("--kv-cache-quant-sink", "pack sink chunks too (default true)", {"nargs": "?", "const": "true"}),
+    (
+        "--kv-cache-quant-sink",
+        "sink chunks' format: true (packed like the history, the default), false or bf16 (kept dense), or a tier "
+        "format int4, int2, compact, fp8 (fp8 e4m3 with power-of-two scales per 32 channels)",
+        {"nargs": "?", "const": "true"},
+    ),
+    (
+        "--kv-cache-quant-recent",
+        "format of the --kv-cache-quant-keep-recent chunks: bf16 (dense, default), fp8, int4, int2 or compact, no "
+        "coarser than --kv-cache-quant (the history's); a chunk leaving the recent tier is repacked",
+        {"choices": ("bf16", "fp8", "int4", "int2", "compact")},
+    ),
     ("--kv-cache-quant-seed", "k-means seed (default 1234)", {}),
     (
         "--kv-cache-quant-pack-trits",
@@ -229,6 +241,10 @@ def _add_common(p: argparse.ArgumentParser, default_preset: str, *, simulate: bo
     # plan accepts --chunks only to refuse it with a reason (check_combinations); its --help does not offer it
     chunks_help = "chunks to simulate (default 20)" if simulate else argparse.SUPPRESS
     g.add_argument("--chunks", type=_int(1), help=chunks_help)
+    g.add_argument("--stagger", type=_int(0), help="sessions start this many chunks apart (pagedqvg/stagger.py)")
+    g.add_argument(
+        "--session-chunks", type=_int_list, help="with --stagger: chunks each session runs, e.g. 10,20,30"
+    )
     q = p.add_argument_group("quantization (SGLang flag names)")
     for flag, help_text, extra in _QUANT_FLAGS:
         q.add_argument(
@@ -637,6 +653,20 @@ def resolve_budget(args: argparse.Namespace, w: Workload) -> dict[str, object] |
     }
 
 
+def _tier_doc(g: Geometry) -> dict[str, object]:
+    """Formats by age of one setting: each role's format and steady-state bytes (rows, codebooks included, no page
+    rounding) per layer and for all caches (`pagedqvg.tiers`)."""
+    per = tier_used_bytes(g)
+    formats = {role: ("bf16" if role == "current" else g.quant.tier_format(role)) for role in per}
+    return {"formats": formats, "bytes_per_layer": per, "bytes_all_layers": {r: b * g.caches for r, b in per.items()},
+            "summary": tier_summary(g)}  # fmt: skip
+
+
+def _tier_lines(settings: list) -> list[str]:
+    """One line per packed setting: its tiers' formats and bytes for all caches."""
+    return [f"  tiers of paged {s['mode']}: {s['tiers']['summary']}" for s in settings if s["mode"] != "off"]
+
+
 def build_plan(
     w: Workload, budget: dict[str, object] | int | None = None, budget_source: str = "", attention: str = "view"
 ) -> dict[str, object]:
@@ -682,6 +712,7 @@ def build_plan(
         d["quant"] = quant_as_dict(g.quant)
         d["page_auto"] = g.page_choice is not None
         d["page_waste_by_kind"] = dict(g.page_choice.waste) if g.page_choice is not None else None
+        d["tiers"] = _tier_doc(g)
         doc["settings"].append(d)  # type: ignore[union-attr]
     if budget is not None:
         doc["budget"] = {**budget, "fits": _budget_fits(w, int(budget["bytes"]), str(budget["source"]), attention)}
@@ -793,6 +824,7 @@ def _plan_table_lines(doc: dict, g: dict, settings: list, dt: str) -> list[str]:
         if s["mode"] == "compact" and block is not None and block != COMPACT_BLOCK:
             why = " (head_dim below 128: one fitted scale per token-head)" if block == head_dim else ""
             lines.append(f"  paged compact: blocks of {block} channels per fitted scale{why}")
+    lines += _tier_lines(settings)
     view = settings[0]
     transient = (
         f"  transient view: {_n(view['transient_view_tokens'])} tokens = {format_bytes(view['transient_view_bytes'])}"
@@ -875,6 +907,8 @@ def format_plan(doc: dict[str, object]) -> str:
 def cmd_plan(args: argparse.Namespace) -> int:
     """`pagedqvg plan`."""
     w = workload_from_args(args)
+    if args.stagger is not None:
+        return _cmd_stagger(args, w, measure=False)
     budget = resolve_budget(args, w)
     doc = build_plan(w, budget, attention=args.attention)
     print(json.dumps(doc, indent=2) if args.json else format_plan(doc))
@@ -980,6 +1014,8 @@ def cmd_simulate(args: argparse.Namespace) -> int:
     from . import simulate as sim
 
     w = workload_from_args(args)
+    if args.stagger is not None:
+        return _cmd_stagger(args, w, measure=not args.dry_run)
     geom = Geometry.from_workload(w)
     device = args.device or "cpu"
     seed = args.seed or 0
@@ -1020,6 +1056,30 @@ def cmd_simulate(args: argparse.Namespace) -> int:
     if not agreement["ok"] or (isinstance(acc, dict) and acc["mismatches"]):
         return 1
     return 0
+
+
+# ---------------------------------------------------------------------------------------------------- stagger
+def _int_list(text: str) -> list[int]:
+    """`--session-chunks 10,20,30`: positive ints."""
+    try:
+        values = [int(x) for x in text.split(",")]
+    except ValueError:
+        values = []
+    if not values or min(values) < 1:
+        raise argparse.ArgumentTypeError(f"expected positive ints separated by commas, e.g. 10,20,30; got {text!r}")
+    return values
+
+
+def _cmd_stagger(args: argparse.Namespace, w, *, measure: bool) -> int:
+    """`plan` / `simulate` with `--stagger K`: staggered sessions (pagedqvg/stagger.py); exit 1 when measured and
+    planned pages differ at any call."""
+    from .stagger import format_stagger, stagger_report
+
+    geom = Geometry.from_workload(w)
+    chunks = args.chunks if args.command == "simulate" else None
+    doc = stagger_report(geom, args.stagger, args.session_chunks, chunks, measure=measure, device=args.device or "cpu")
+    print(json.dumps(doc, indent=2) if args.json else format_stagger(doc))
+    return 1 if doc.get("mismatches") else 0
 
 
 # ---------------------------------------------------------------------------------------------------- main

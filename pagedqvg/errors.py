@@ -11,6 +11,21 @@ class PoolExhaustedError(PagedQVGError, MemoryError):
     """The pool has fewer free pages than a request needs (the request changed nothing)."""
 
 
+class SessionRefusedError(PoolExhaustedError):
+    """`SessionManager.open` refused a session: its planned peak does not fit the pages not yet free or reserved
+    (nothing was allocated). Attributes in pages: `needed_pages`, `available_pages`, `free_pages`,
+    `reserved_pages`."""
+
+    def __init__(
+        self, message: str, *, needed_pages: int, available_pages: int, free_pages: int, reserved_pages: int
+    ) -> None:
+        super().__init__(message)
+        self.needed_pages = needed_pages
+        self.available_pages = available_pages
+        self.free_pages = free_pages
+        self.reserved_pages = reserved_pages
+
+
 class PageOwnershipError(PagedQVGError, ValueError):
     """A page was freed twice, freed by an owner that does not hold it, or does not exist."""
 

@@ -48,12 +48,13 @@ import torch
 from .allocator import RangeEntry
 from .attention_budget import ATTN_TILE_TOKENS, attention_scratch_bytes, packed_decode_bytes
 from .layout import DenseTokenLayout, PackedSegmentLayout, PageChoice, choose_page_bytes, dtype_itemsize, segment_kinds
-from .policy import pack_targets, sink_segment_starts
+from .policy import pack_targets, sink_segment_starts, tier_targets
 from .presets import Workload
 from .quant.config import QuantConfig
 from .quant.format import PackedFormat
 from .segment import SegmentKind
 from .sequencing import CacheSpec, Sequencer, view_slot_ranges
+from .tiers import tier_layouts
 from .validation import PAGE_ALIGN_BYTES, check_int, nearest_page_bytes, page_bytes_at_least
 
 #: Quantization modes `plan` compares, in table order (`QuantConfig.mode` names; see `mode_quant`).
@@ -349,6 +350,7 @@ class CountedSegment:
     kind: SegmentKind
     pages: int
     pack_failed: bool = False
+    fmt: str | None = None  # tiered configs: the tier format the segment holds ('bf16', 'fp8', 'int4', ...)
 
     @property
     def packed(self) -> bool:
@@ -384,6 +386,7 @@ class CountingLayer:
         self.segments = {SegmentKind.DENSE: 0, SegmentKind.PACKED: 0}
         self._order: dict[int, RangeEntry[CountedSegment]] = {}  # every segment by start, oldest first
         self._dense: dict[int, RangeEntry[CountedSegment]] = {}  # bf16 segments (packing candidates), oldest first
+        self.tiers = tier_layouts(geom) if geom.quant.tiered else None  # formats by age (pagedqvg/tiers.py)
 
     # ---------------------------------------------------------------- state
     @property
@@ -395,6 +398,11 @@ class CountingLayer:
         """Bytes the retained tokens' rows really occupy (plus codebooks of packed segments), as the cache reports."""
         if self.packed is None:
             return self.dense.used_bytes_for_tokens(self.seq.state.local_end)
+        if self.tiers is not None:
+            return sum(
+                self.tiers[entry.value.fmt or "bf16"].used_bytes_for_tokens(kept)  # type: ignore[attr-defined]
+                for entry, kept in self.seq.retained_tokens()
+            )
         return sum(
             (self.packed if entry.value.packed else self.dense).used_bytes_for_tokens(kept)
             for entry, kept in self.seq.retained_tokens()
@@ -425,6 +433,10 @@ class CountingLayer:
         """After an advance: pack what `policy.pack_targets` selects (only bf16 segments are candidates, and the
         newest are read only up to `keep_recent_chunks`: O(candidates + keep_recent + sink segments))."""
         sinks = sink_segment_starts(self.seq)
+        if self.tiers is not None:
+            for entry, tier in tier_targets(self.geom.quant, sinks, list(self.seq.index), (keep_start, keep_end)):
+                self._pack_tier(entry, self.geom.quant.tier_format(tier))
+            return
         newest = reversed(self._order.values())
         for target in pack_targets(self.geom.quant, sinks, newest, list(self._dense.values()), (keep_start, keep_end)):
             self._pack(target)
@@ -454,6 +466,15 @@ class CountingLayer:
         self.counter.free(seg.pages)
         self.pages[seg.kind] -= seg.pages
         self.segments[seg.kind] -= 1
+
+    def _pack_tier(self, entry: RangeEntry[CountedSegment], fmt: str) -> None:
+        """Formats by age: frees the segment's pages (bf16 or an earlier tier's), then takes `fmt`'s pages."""
+        assert self.tiers is not None
+        self._dense.pop(entry.start, None)
+        self._release(entry.value)
+        pages = self.tiers[fmt].pages_for_tokens(entry.end - entry.start)  # type: ignore[attr-defined]
+        entry.value = CountedSegment(SegmentKind.PACKED, pages, fmt=fmt)
+        self._take(entry.value)
 
     def _pack(self, entry: RangeEntry[CountedSegment]) -> None:
         """Frees the bf16 pages, then takes the packed ones."""
@@ -739,7 +760,7 @@ def plan_geometry(geom: Geometry, *, replay: bool | None = None) -> SettingPlan:
     )
     if replay is None:
         replay = bool(geom.scene_cut_every) or geom.cache_size <= REPLAY_MAX_CHUNKS * geom.chunk_tokens
-    if replay or geom.scene_cut_every:
+    if replay or geom.scene_cut_every or geom.quant.tiered:  # tiers: the replay (the closed form is untiered)
         census = replay_layer(geom)
         return SettingPlan(
             **common,

@@ -91,6 +91,48 @@ def pack_targets(
     return others + sink_targets
 
 
+def segment_format(seg: PolicySegment, cfg: QuantConfig) -> str:
+    """The tier format a segment holds: its `fmt` attribute when it has one (tiered stores), else the history's
+    format when packed and 'bf16' when not."""
+    fmt = getattr(seg, "fmt", None)
+    if fmt is not None:
+        return fmt
+    return cfg.tier_format("history") if seg.packed else "bf16"
+
+
+def tier_targets(
+    cfg: QuantConfig, sinks: Collection[int], entries: list[RangeEntry[S]], keep: tuple[int, int]
+) -> list[tuple[RangeEntry[S], str]]:
+    """Formats by age: `(segment, tier)` for each segment to pack or repack into `tier`'s format after an advance.
+
+    `entries`: every segment, oldest first (the last is the current chunk, which never packs). Roles: sink segments
+    past the first `sink_keep_chunks` are 'sink'; of the others, the `keep_recent_chunks` newest completed ones are
+    'recent' and the older ones 'history'. A segment moves only to a format of lower precision rank than the one it
+    holds (`format_rank`): bf16 -> any packed format, recent int4/fp8 -> history int2/compact; never back up (after
+    a rewind a history chunk may become recent again and stays as it is). Segments that failed to pack or overlap
+    the call's write `keep` stay. Order: non-sink segments oldest first, then sink ones. O(segments).
+
+    For untiered configs this selects exactly what `pack_targets` selects (tests check it)."""
+    from .quant.config import format_rank
+
+    completed = entries[:-1]
+    non_sink = [e for e in completed if e.start not in sinks]
+    recent = {e.start for e in non_sink[len(non_sink) - cfg.keep_recent_chunks :]} if cfg.keep_recent_chunks else set()
+    sink_starts = sorted(e.start for e in completed if e.start in sinks)
+    kept_sinks = set(sink_starts[: cfg.sink_keep_chunks])
+    others: list[tuple[RangeEntry[S], str]] = []
+    sink_targets: list[tuple[RangeEntry[S], str]] = []
+    for entry in completed:
+        if entry.value.pack_failed or _overlaps(entry, keep) or entry.start in kept_sinks:
+            continue
+        is_sink = entry.start in sinks
+        tier = "sink" if is_sink else ("recent" if entry.start in recent else "history")
+        want = cfg.tier_format(tier)
+        if format_rank(want) < format_rank(segment_format(entry.value, cfg)):
+            (sink_targets if is_sink else others).append((entry, tier))
+    return others + sink_targets
+
+
 def layer_pack_targets(cfg: QuantConfig, seq: Sequencer[S], keep: tuple[int, int]) -> list[RangeEntry[S]]:
     """`pack_targets` over every segment of `seq` (O(segments))."""
     entries = list(seq.index)

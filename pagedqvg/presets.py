@@ -247,3 +247,16 @@ def get_preset(name: str) -> Workload:
         return PRESETS[name]
     except KeyError:
         raise ValueError(f"unknown preset {name!r}; known presets: {', '.join(PRESETS)}") from None
+
+
+#: Formats by age recommended per full-size preset (issue 23; README "Formats by age"): sink int4, the recent chunk
+#: int4, the history compact. Why, at LingBot-World's 18-frame window (40 layers): 7.36 GiB (3.39x dense) vs 10.07
+#: GiB for reference int2, with a lower attention-output error (0.0875 vs 0.0986, benchmarks/bench_tiers.py) even
+#: with the recent chunk repacked from its decoded int4 values; the cheapest setting that beats int2 on both the
+#: bytes target (<= 7.6 GiB) and the attention error. LongLive2 and Self-Forcing share the chunk structure (one
+#: sink chunk, keep_recent 1, head_dim 128). Not the presets' default yet: the cache refuses tiered configs until
+#: its aging lands (the planner and `simulate --dry-run` already account for them).
+RECOMMENDED_TIERS: dict[str, QuantConfig] = {
+    name: QuantConfig.compact(sink_format="int4", recent_format="int4")
+    for name in ("lingbot-world", "longlive2", "self-forcing")
+}

@@ -40,6 +40,16 @@ settings.register_profile(
     deadline=None,
     suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large],
 )
+# scale: 10,000 programs (examples) x up to 50 steps for the main machine against the dense reference, 1,000 for the
+#         quant machine (test_cache_fuzz_quant.EXAMPLES); every program ends with pool.check() and a leak check
+#         (the machines' teardown). Select with PAGEDQVG_FUZZ_PROFILE=scale.
+settings.register_profile(
+    "scale",
+    max_examples=10_000,
+    stateful_step_count=50,
+    deadline=None,
+    suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large],
+)
 settings.load_profile(os.environ.get("PAGEDQVG_FUZZ_PROFILE", "ci"))
 
 

@@ -1,4 +1,4 @@
-"""Dense, plain-torch reference of the cache contract (shared/SEMANTICS.md).
+"""Dense, plain-torch reference of the cache contract (docs/SEMANTICS.md).
 
 This module is the independent test oracle for ``pagedqvg.PagedCausalKVCache``.  It is written only from the
 contract: it owns real slot buffers ``k``, ``v`` of shape ``[B, C, H, D]`` and moves data between slots exactly like the

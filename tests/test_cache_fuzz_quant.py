@@ -110,7 +110,7 @@ ERR_FLOOR = 1.0
 #: on every pack), too close to the ~40 s budget of the default run with the rest of this file; 100 examples run
 #: ~4,500 steps in 10-22 s. long (1,200 x up to 200 steps: ~190 steps per example, ~230,000 steps, ~15 min) and
 #: interp (20 x up to 25 steps: 500 steps, ~25-30 s through the Triton interpreter) run as their profiles say.
-EXAMPLES = {"ci": 100}
+EXAMPLES = {"ci": 100, "scale": 1_000}
 #: The least number of steps a profile must run.
 MIN_STEPS = {"ci": 1_000, "long": 150_000}
 

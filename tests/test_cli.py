@@ -77,7 +77,7 @@ def test_plan_json_schema(capsys, preset: str) -> None:
     assert doc["settings"][-1]["quant"] == quant_as_dict(QuantConfig.compact())
     for s in doc["settings"]:
         assert set(s) == {"mode", "quant", "exact_by", "page_bytes", "page_auto", "page_waste_by_kind", "per_layer",
-                          "all_layers", "segment_pages", "ratio_vs_dense", "pool_pages", "pool_bytes",
+                          "all_layers", "segment_pages", "ratio_vs_dense", "pool_pages", "pool_bytes", "tiers",
                           "transient_view_tokens", "transient_view_bytes", "budget_bytes", "warmup_chunks",
                           "attention"}
         assert s["page_auto"] and s["per_layer"]["waste_bytes"] <= 0.01 * s["per_layer"]["bytes"]

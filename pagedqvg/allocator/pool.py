@@ -7,8 +7,10 @@ either free or held by exactly one owner (a string such as ``"layer3#7"``). Noth
 
 from __future__ import annotations
 
+import functools
 import os
-from collections import Counter
+import threading
+from collections import Counter, deque
 from dataclasses import dataclass
 
 import torch
@@ -89,6 +91,20 @@ def available_memory_bytes(device: torch.device | str) -> int:
     return int(os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE"))
 
 
+def _locked(method):
+    """Run a pool method holding the pool's lock, after giving back the pages of owners queued by
+    `release_owner_later` (so a finalizer never frees inside another pool operation)."""
+
+    @functools.wraps(method)
+    def wrapper(self, *args, **kwargs):
+        with self.lock:
+            if self._deferred:
+                self._drain_deferred()
+            return method(self, *args, **kwargs)
+
+    return wrapper
+
+
 class BlockPool:
     """A fixed set of equal pages carved from one arena tensor, shared by every layer's cache.
 
@@ -101,6 +117,13 @@ class BlockPool:
 
     The arena (`capacity_bytes // page_bytes * page_bytes` bytes of `uint8`) is allocated once, here; ValueError
     (naming the value and the valid range) for a bad argument, before anything is allocated.
+
+    Threads: every state change and every read of the shared tables holds `lock` (a re-entrant lock). Caches
+    hold it across each check-then-act sequence (an advance's page check, frees and allocations; packing), so
+    different threads may drive different caches of one pool. One cache is driven by one thread at a time, and
+    `view_buffer` (a single scratch buffer) is not for threads: use `reuse_view_buffer=False` with threads.
+    Finalizers (caches collected without `close()`) only queue their owner (`release_owner_later`); the pages go
+    back at the next pool operation, under the lock.
 
     Complexity: `alloc(n)` and `free(pages)` are O(n); `stats()` is O(owners); `check()` is O(num_pages).
     """
@@ -142,6 +165,10 @@ class BlockPool:
         self._view_buffer: torch.Tensor | None = None
         self._view_buffer_last: tuple[int, torch.dtype, torch.Tensor] | None = None
         self._view_buffer_streams: set = set()  # CUDA streams recorded on the buffer (record_stream)
+        #: Held by every method that reads or changes the page tables, and by caches across check-then-act calls.
+        self.lock = threading.RLock()
+        self._deferred: deque[str] = deque()  # owners whose pages go back at the next pool operation
+        self._journal: tuple[str, list] | None = None  # (owner, records) while a cache call may still roll back
 
     @classmethod
     def from_free_memory(
@@ -245,6 +272,7 @@ class BlockPool:
             buf.record_stream(stream)
 
     # ------------------------------------------------------------ ownership
+    @_locked
     def new_owner(self, label: str) -> str:
         """A fresh owner name `label#k`, unique within this pool."""
         self._owner_serial += 1
@@ -252,12 +280,18 @@ class BlockPool:
 
     @property
     def num_free_pages(self) -> int:
-        return len(self._free)
+        """Free pages now (after queued finalizer releases). O(1)."""
+        with self.lock:
+            if self._deferred:
+                self._drain_deferred()
+            return len(self._free)
 
+    @_locked
     def pages_of(self, owner: str) -> int:
         """Pages held by `owner`. O(1)."""
         return self._owner_pages.get(owner, 0)
 
+    @_locked
     def alloc(self, n: int, owner: str) -> list[int]:
         """Take `n` pages for `owner`, all or nothing. O(n). Raises PoolExhaustedError (pool unchanged)."""
         check_int("alloc: n", n, minimum=0, message=_METHOD_INT, type_message=_METHOD_INT)
@@ -270,6 +304,8 @@ class BlockPool:
         pages = self._free[-n:]
         del self._free[-n:]
         pages.reverse()
+        if self._journal is not None and self._journal[0] == owner:
+            self._journal[1].append(("alloc", list(pages), None))
         owner_of = self._owner_of
         for p in pages:
             owner_of[p] = owner
@@ -279,9 +315,14 @@ class BlockPool:
             self._high_water = used
         return pages
 
+    @_locked
     def free(self, pages: list[int] | tuple[int, ...], owner: str) -> None:
         """Give `pages` of `owner` back. O(n). A free, foreign, duplicate or unknown page: PageOwnershipError,
         and nothing is freed."""
+        self._free_pages(pages, owner)
+
+    def _free_pages(self, pages: list[int] | tuple[int, ...], owner: str) -> None:
+        """`free`'s body (the caller holds the lock)."""
         owner_of = self._owner_of
         seen: set[int] = set()
         for p in pages:
@@ -297,6 +338,10 @@ class BlockPool:
                 raise PageOwnershipError(f"free by {owner}: page {p} is already free (double free)")
             if holder != owner:
                 raise PageOwnershipError(f"free by {owner}: page {p} belongs to {holder}, not to {owner}")
+        if pages and self._journal is not None and self._journal[0] == owner:
+            rows = self.arena.view(self.num_pages, self.page_bytes)
+            data = rows[torch.tensor(list(pages), dtype=torch.int64, device=self.device)]  # a copy of the bytes
+            self._journal[1].append(("free", list(pages), data))
         for p in reversed(pages):
             owner_of[p] = None
             self._free.append(p)
@@ -310,15 +355,65 @@ class BlockPool:
                 del self._owner_pages[owner]
                 self._owner_used.pop(owner, None)
 
+    @_locked
     def release_owner(self, owner: str) -> int:
         """Give back every page `owner` holds (e.g. a cache collected without `close()`). O(num_pages).
         Returns the number of pages freed."""
+        return self._release_owner(owner)
+
+    def _release_owner(self, owner: str) -> int:
+        """`release_owner`'s body (the caller holds the lock)."""
         pages = [p for p, holder in enumerate(self._owner_of) if holder == owner]
         self._owner_used.pop(owner, None)
-        self.free(pages, owner)
+        self._free_pages(pages, owner)
         return len(pages)
 
+    # ------------------------------------------------------------ journal (a cache call that raises has not happened)
+    def journal_begin(self, owner: str) -> None:
+        """Record `owner`'s allocations and frees (with a copy of each freed page's bytes, transient, outside the
+        page budget) until `journal_end`, so that `journal_rollback` can undo them. The caller holds `lock` from here
+        to the end or the rollback (no other owner can take a page freed meanwhile). O(1)."""
+        if self._journal is not None:
+            raise PoolInvariantError(f"journal of {self._journal[0]} still open when {owner} begins one")
+        self._journal = (owner, [])
+
+    def journal_end(self) -> None:
+        """Keep everything since `journal_begin` (drop the record and the byte copies). O(1)."""
+        self._journal = None
+
+    def journal_rollback(self) -> None:
+        """Undo every allocation and free of the journal's owner since `journal_begin`, newest first: pages it took
+        go back to the free list, pages it gave back are its own again with their bytes restored. O(pages moved +
+        free pages)."""
+        assert self._journal is not None
+        owner, records = self._journal
+        self._journal = None
+        rows = self.arena.view(self.num_pages, self.page_bytes)
+        for kind, pages, data in reversed(records):
+            if kind == "alloc":
+                self._free_pages(pages, owner)
+                continue
+            back = set(pages)
+            self._free = [p for p in self._free if p not in back]
+            for p in pages:
+                self._owner_of[p] = owner
+            self._owner_pages[owner] += len(pages)
+            rows[torch.tensor(pages, dtype=torch.int64, device=self.device)] = data
+
+    def release_owner_later(self, owner: str) -> None:
+        """Queue `owner`'s pages to go back at the next pool operation (for finalizers and garbage collection,
+        which may run inside another pool operation, on any thread). Takes no lock; O(1)."""
+        self._deferred.append(owner)
+
+    def _drain_deferred(self) -> None:
+        """Give back the pages of every queued owner (caller holds the lock). O(num_pages) per queued owner."""
+        while self._deferred:
+            owner = self._deferred.popleft()
+            if self._owner_pages.get(owner, 0):
+                self._release_owner(owner)
+
     # ------------------------------------------------------------ accounting
+    @_locked
     def stats(self) -> PoolStats:
         """Exact accounting snapshot. O(owners)."""
         used_pages = self.num_pages - len(self._free)
@@ -336,11 +431,13 @@ class BlockPool:
             owner_pages=tuple(sorted(self._owner_pages.items())),
         )
 
+    @_locked
     def reset_high_water(self) -> None:
         """Start a new high-water mark at the pages held now (to measure the peak of one phase, e.g. a benchmark's
         generation loop after the caches are set up). O(1)."""
         self._high_water = self.num_pages - len(self._free)
 
+    @_locked
     def check(self) -> None:
         """Verify every invariant; raise PoolInvariantError naming the first broken one. O(num_pages)."""
         free = self._free
@@ -379,6 +476,11 @@ class BlockPool:
 
 def exhausted_error(pool: BlockPool, requested: int, context: str = "") -> PoolExhaustedError:
     """The error an over-budget request of `requested` pages gets (names sizes and the biggest holders)."""
+    with pool.lock:  # the owner table may change on other threads
+        return _exhausted_error(pool, requested, context)
+
+
+def _exhausted_error(pool: BlockPool, requested: int, context: str) -> PoolExhaustedError:
     top = ", ".join(f"{o}: {n} pages" for o, n in pool._owner_pages.most_common(3)) or "none"
     prefix = f"{context}: " if context else ""
     free, page = len(pool._free), pool.page_bytes
@@ -393,6 +495,11 @@ def exhausted_error(pool: BlockPool, requested: int, context: str = "") -> PoolE
 
 def set_used_bytes(pool: BlockPool, owner: str, nbytes: int) -> None:
     """Record how many bytes of its pages `owner` really uses (for the waste figure). O(1)."""
+    with pool.lock:
+        _set_used_bytes(pool, owner, nbytes)
+
+
+def _set_used_bytes(pool: BlockPool, owner: str, nbytes: int) -> None:
     check_int("set_used_bytes: nbytes", nbytes, minimum=0, message=_METHOD_INT, type_message=_METHOD_INT)
     held = pool._owner_pages.get(owner, 0) * pool.page_bytes
     if nbytes > held:
@@ -405,4 +512,5 @@ def set_used_bytes(pool: BlockPool, owner: str, nbytes: int) -> None:
 
 def debug_state(pool: BlockPool) -> tuple[tuple[int, ...], tuple[str | None, ...]]:
     """The free stack and the owner table, for snapshot comparisons in tests."""
-    return tuple(pool._free), tuple(pool._owner_of)
+    with pool.lock:
+        return tuple(pool._free), tuple(pool._owner_of)

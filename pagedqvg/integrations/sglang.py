@@ -73,7 +73,7 @@ _CLASS_NAMES = ("CausalSelfAttentionKVCache", "QVGPackedCausalKVCache")
 
 _lock = threading.RLock()
 # The pool policy of install() and the pools made from it (one per device).
-_config: dict[str, Any] = {"pool": None, "memory_fraction": None, "budget_bytes": None}
+_config: dict[str, Any] = {"pool": None, "memory_fraction": None, "budget_bytes": None, "quant": None}
 _pools: dict[str, BlockPool] = {}
 # (owner object, attribute, original value) of every patch, in order; empty when not installed.
 _patches: list[tuple[Any, str, Any]] = []
@@ -518,6 +518,9 @@ def quant_config_from_sglang(quant_args: Any, head_dim: int) -> QuantConfig | No
                     f"pagedqvg.QuantConfig or a dict of --kv-cache-quant* flags"
                 )
             values = {n: getattr(quant_args, n) for n in names}
+            for n in ("sink_format", "recent_format"):  # pagedqvg's tier formats, when the object carries them
+                if getattr(quant_args, n, None) is not None:
+                    values[n] = getattr(quant_args, n)
             for n in ("asymmetric", "sink"):
                 if isinstance(values[n], int) and values[n] in (0, 1):
                     values[n] = bool(values[n])
@@ -686,47 +689,133 @@ def _dense_caches(
     ]
 
 
-def _paged_allocate(original):
-    """The stages' `_allocate_causal_kv_cache` building paged caches (no dense buffers): SGLang's arguments, the
-    stage's `_kv_quant_args` when it has them (LingBot: quantization on builds `PagedQVGPackedCausalKVCache`, with
-    global sink and growth, which SGLang's QVG path refuses)."""
+#: The parameters of SGLang 0.5.23's `_allocate_causal_kv_cache` (both stages), in order; a hook refuses others.
+ALLOCATE_PARAMS = (
+    "self",
+    "batch_size",
+    "kv_cache_size",
+    "num_attention_heads",
+    "attention_head_dim",
+    "dtype",
+    "device",
+    "use_int_indices",
+    "sink_tokens",
+    "global_sink_tokens",
+    "attention_window_size",
+    "allow_growth",
+)
 
-    def _allocate_causal_kv_cache(
-        self,
-        *,
-        batch_size: int,
-        kv_cache_size: int,
-        num_attention_heads: int,
-        attention_head_dim: int,
-        dtype: torch.dtype,
-        device,
-        use_int_indices: bool = False,
-        sink_tokens: int = 0,
-        global_sink_tokens: int = 0,
-        attention_window_size: int | None = None,
-        allow_growth: bool = False,
-    ) -> list:
-        if attention_window_size is None:
-            attention_window_size = kv_cache_size
-        quant_args = getattr(self, "_kv_quant_args", None)
-        quant_on = quant_args is not None and bool(getattr(quant_args, "enabled", False))
-        shape = (batch_size, kv_cache_size, num_attention_heads, attention_head_dim)
-        policy = dict(
-            sink_tokens=sink_tokens,
-            global_sink_tokens=global_sink_tokens,
-            attention_window_size=attention_window_size,
-            allow_growth=allow_growth,
+
+def check_allocate_signature(fn: Any) -> None:
+    """IntegrationError unless `fn` takes exactly SGLang 0.5.23's `_allocate_causal_kv_cache` parameters."""
+    import inspect
+
+    try:
+        got = tuple(inspect.signature(fn).parameters)
+    except (TypeError, ValueError):
+        got = ()
+    if got != ALLOCATE_PARAMS:
+        raise IntegrationError(
+            f"{getattr(fn, '__qualname__', fn)} has parameters {got}; pagedqvg supports SGLang 0.5.23's "
+            f"{ALLOCATE_PARAMS}: install sglang==0.5.23 or a pagedqvg release for your SGLang"
         )
-        if quant_on:
-            return _packed_caches(
-                self.num_transformer_blocks, shape, dtype, device, use_int_indices, quant_args, policy
-            )
-        return _dense_caches(self.num_transformer_blocks, shape, dtype, device, use_int_indices, policy)
+
+
+def _stage_quant(stage: Any) -> Any:
+    """The quantization a stage's caches get: the plugin's (PAGEDQVG_KV_CACHE_QUANT*, a dict of SGLang flag names)
+    when set, even to off, else the stage's `_kv_quant_args` (LingBot-World's --kv-cache-quant*); None = off."""
+    quant = _config.get("quant")
+    if quant is None:
+        quant = getattr(stage, "_kv_quant_args", None)
+    if quant is None:
+        return None
+    if isinstance(quant, dict):
+        mode = str(quant.get("kv_cache_quant", "off")).strip().lower()
+        return None if mode in ("off", "none", "bf16") else quant
+    return quant if bool(getattr(quant, "enabled", False)) else None
+
+
+def build_paged_caches(
+    stage: Any,
+    *,
+    batch_size: int,
+    kv_cache_size: int,
+    num_attention_heads: int,
+    attention_head_dim: int,
+    dtype: torch.dtype,
+    device,
+    use_int_indices: bool = False,
+    sink_tokens: int = 0,
+    global_sink_tokens: int = 0,
+    attention_window_size: int | None = None,
+    allow_growth: bool = False,
+) -> list:
+    """What the stages' `_allocate_causal_kv_cache` returns, as paged caches (no dense buffers): one per
+    transformer block, packed (`PagedQVGPackedCausalKVCache`, any sink / global sink / growth / pin, which SGLang's
+    QVG path refuses) when `_stage_quant(stage)` is on, else `PagedCausalSelfAttentionKVCache`. O(blocks)."""
+    if attention_window_size is None:
+        attention_window_size = kv_cache_size
+    quant_args = _stage_quant(stage)
+    shape = (batch_size, kv_cache_size, num_attention_heads, attention_head_dim)
+    policy = dict(
+        sink_tokens=sink_tokens,
+        global_sink_tokens=global_sink_tokens,
+        attention_window_size=attention_window_size,
+        allow_growth=allow_growth,
+    )
+    blocks = stage.num_transformer_blocks
+    if quant_args is not None:
+        caches = _packed_caches(blocks, shape, dtype, device, use_int_indices, quant_args, policy)
+    else:
+        caches = _dense_caches(blocks, shape, dtype, device, use_int_indices, policy)
+    for listener in list(_cache_listeners):
+        listener(stage, caches)
+    return caches
+
+
+#: Called as listener(stage, caches) after every allocation (the plugin logs the first per process).
+_cache_listeners: list[Any] = []
+
+
+def allocate_around(original: Any, stage: Any, /, **kwargs: Any) -> list:
+    """AROUND hook for `CausalDMDDenoisingStage._allocate_causal_kv_cache` (the base of LongLive2, causal Wan and
+    LingBot-World): paged caches instead of SGLang's dense `torch.zeros` ones (the result differs, so the original
+    is not called)."""
+    check_allocate_signature(original)
+    return build_paged_caches(stage, **kwargs)
+
+
+def lingbot_allocate_around(original: Any, stage: Any, /, **kwargs: Any) -> list:
+    """AROUND hook for `LingBotWorldCausalDMDDenoisingStage._allocate_causal_kv_cache`: packed paged caches when
+    quantization is on; otherwise SGLang's original, which calls the base stage's (hooked: paged) allocation, so
+    the result is the same."""
+    check_allocate_signature(original)
+    if _stage_quant(stage) is not None or getattr(getattr(stage, "_kv_quant_args", None), "enabled", False):
+        return build_paged_caches(stage, **kwargs)  # on (packed), or the flags on and PAGEDQVG_KV_CACHE_QUANT=off
+    return original(stage, **kwargs)
+
+
+def _paged_allocate(original):
+    """The stages' `_allocate_causal_kv_cache` for `install()`: `build_paged_caches` (paged, no dense buffers;
+    LingBot's `_kv_quant_args` on: packed, with global sink and growth, which SGLang's QVG path refuses)."""
+
+    def _allocate_causal_kv_cache(self, **kwargs) -> list:
+        return build_paged_caches(self, **kwargs)
 
     _allocate_causal_kv_cache.__wrapped__ = original  # type: ignore[attr-defined]
     _allocate_causal_kv_cache.__doc__ = _paged_allocate.__doc__
     _allocate_causal_kv_cache._pagedqvg = True  # type: ignore[attr-defined]
     return _allocate_causal_kv_cache
+
+
+def configure(*, memory_fraction: float | None = None, budget_bytes: int | None = None, quant: Any = None) -> None:
+    """The pool policy (as `install()`'s) and the quantization override of every stage (`quant`: a dict of SGLang
+    `--kv-cache-quant*` flag names, e.g. `{"kv_cache_quant": "int2"}`; None = each stage's own) without patching
+    anything: for the entry-point plugin, whose SGLang hooks call `allocate_around`. Raises CacheConfigError as
+    `install()`."""
+    _check_install_args(None, memory_fraction, budget_bytes)
+    with _lock:
+        _config.update(pool=None, memory_fraction=memory_fraction, budget_bytes=budget_bytes, quant=quant)
 
 
 def _check_install_args(pool: object, memory_fraction: object, budget_bytes: object) -> None:
@@ -887,6 +976,6 @@ def uninstall() -> list[str]:
         _patches.clear()
         _originals.clear()
         _pools.clear()
-        _config.update(pool=None, memory_fraction=None, budget_bytes=None)
+        _config.update(pool=None, memory_fraction=None, budget_bytes=None, quant=None)
         _attention.set_attention_mode("view")
         return restored

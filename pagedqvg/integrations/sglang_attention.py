@@ -137,8 +137,8 @@ def pages_view(cache: Any, key, value, current_chunk_start, cache_head_start, re
         cache.debug_name = f"{debug_name} ({own})"
     try:
         with torch.no_grad():  # writes into the pool must not join an autograd graph
-            plan, h0, hin, ls, le = cache._write_and_plan(
-                key, value, current_chunk_start, cache_head_start, recent_window_tokens
+            plan, h0, hin, ls, le = cache._transactional(  # a failed write is rolled back whole, as the view's
+                lambda: cache._write_and_plan(key, value, current_chunk_start, cache_head_start, recent_window_tokens)
             )
     finally:
         cache.debug_name = own

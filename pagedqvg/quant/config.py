@@ -3,6 +3,11 @@ pagedqvg extensions `pack_trits`, `fit_scales`, `codebook_fp8`; `QuantConfig.com
 
 Defaults are SGLang's: quantization off, 128 centroids, 64-channel scale blocks, 1 k-means stage, 2 k-means
 iterations, symmetric codes, the newest completed chunk kept dense, sink chunks packed (none kept dense).
+
+Formats by age (tiers): the history (completed chunks older than the `keep_recent_chunks` newest) is packed in the
+`mode` format (int4, int2 or compact); the recent chunks in `recent_format` (bf16 = dense, the default, or a packed
+format); the sink chunks in `sink_format` (None = the history's, the default; bf16 = dense, as `sink=False`). A
+recent chunk that ages into the history is repacked in the history's format (`tier_quant` gives each tier's config).
 """
 
 from __future__ import annotations
@@ -43,6 +48,17 @@ SGLANG_KEYS: dict[str, str] = {
     "kv_cache_quant_codebook_fp8": "codebook_fp8",
 }
 _BOOL_FIELDS = ("asymmetric", "sink", "pack_trits", "fit_scales", "codebook_fp8")
+SGLANG_KEYS["kv_cache_quant_recent"] = "recent_format"
+
+#: Formats a tier may take: dense in the cache dtype, PRQ int4 / int2 / compact, or fp8 e4m3 with power-of-two block
+#: scales (near-lossless, `quant/fp8.py`). The history takes int4, int2 or compact (`--kv-cache-quant`).
+TIER_FORMATS: tuple[str, ...] = ("bf16", "fp8", "int4", "int2", "compact")
+#: Channels sharing one power-of-two scale in the fp8 tier format (as MX formats' 32-element blocks).
+FP8_BLOCK = 32
+#: Precision rank of a tier format: a chunk may only age into a format of equal or lower rank.
+_FORMAT_RANK: dict[str, int] = {"bf16": 4, "fp8": 3, "int4": 2, "int2": 1, "compact": 1}
+#: The tiers of a packed cache, oldest role first.
+TIERS: tuple[str, ...] = ("sink", "history", "recent")
 
 
 @dataclass(frozen=True, slots=True)
@@ -70,6 +86,11 @@ class QuantConfig:
         codebook_fp8: beyond the reference: codebooks are stored as fp8 e4m3 (1 B per value, centroids clamped to
             +-448) instead of the cache dtype; the final k-means assignment and the residual use the stored fp8
             centroids, so the residual absorbs their rounding. Off (reference) by default.
+        sink_format: format of packed sink chunks (beyond `sink_keep_chunks`): None = the history's (`mode`), or one
+            of `TIER_FORMATS` ('bf16' = kept dense, as `sink=False`). Needs `sink=True` unless 'bf16'.
+        recent_format: format of the `keep_recent_chunks` newest completed chunks: 'bf16' (dense, the default) or
+            a packed format of equal or higher precision than the history's (fp8 > int4 > int2 = compact). A recent
+            chunk leaving the tier is repacked into the history's format.
     """
 
     bits: int | None = None
@@ -85,6 +106,8 @@ class QuantConfig:
     pack_trits: bool = False
     fit_scales: bool = False
     codebook_fp8: bool = False
+    sink_format: str | None = None
+    recent_format: str = "bf16"
 
     def __post_init__(self) -> None:
         self.validate()
@@ -164,10 +187,20 @@ class QuantConfig:
                 "QuantConfig.fit_scales=True needs symmetric codes, got asymmetric=True; allowed: fit_scales=False, "
                 "or asymmetric=False"
             )
+        self._validate_tiers()
         if head_dim is not None:
             _check_int("head_dim", head_dim, lo=1)
             if not self.enabled:
                 return self  # quantization off: block_size and bits never apply, so every head_dim works
+            for tier in ("sink", "recent"):
+                q = self.tier_quant(tier)
+                if q is not None and q is not self:
+                    _validate_tier_head_dim(tier, q, head_dim)
+                if self.tier_format(tier) == "fp8" and head_dim % FP8_BLOCK:
+                    raise ValueError(
+                        f"the {tier} tier's format 'fp8' scales blocks of {FP8_BLOCK} channels, which do not divide "
+                        f"head_dim={head_dim}; allowed: head_dim a multiple of {FP8_BLOCK}, or another format"
+                    )
             if head_dim % self.block_size:
                 divisors = [d for d in range(1, head_dim + 1) if head_dim % d == 0]
                 raise ValueError(
@@ -181,6 +214,74 @@ class QuantConfig:
                 )
         return self
 
+    def _validate_tiers(self) -> None:
+        """Tier formats: known names; a sink format needs the sink packed; a recent format needs recent chunks and
+        may not be coarser than the history's (a chunk cannot gain precision by aging). Inert when quantization is
+        off (a dense cache has no tiers)."""
+        for name, value, allowed in (
+            ("sink_format", self.sink_format, (None, *TIER_FORMATS)),
+            ("recent_format", self.recent_format, TIER_FORMATS),
+        ):
+            if value not in allowed:
+                raise ValueError(
+                    f"QuantConfig.{name}={value!r} is not a tier format; allowed: {', '.join(map(str, allowed))}"
+                )
+        if not self.enabled:
+            return
+        if self.sink_format not in (None, "bf16") and not self.sink:
+            raise ValueError(
+                f"QuantConfig.sink_format={self.sink_format!r} with sink=False: the sink chunks stay dense; allowed: "
+                "sink=True with a sink format, or sink_format None/'bf16'"
+            )
+        if self.recent_format != "bf16" and self.keep_recent_chunks == 0:
+            raise ValueError(
+                f"QuantConfig.recent_format={self.recent_format!r} with keep_recent_chunks=0: no chunk is in the "
+                "recent tier; allowed: keep_recent_chunks >= 1, or recent_format 'bf16'"
+            )
+        if _FORMAT_RANK[self.recent_format] < _FORMAT_RANK[self.mode]:
+            finer = [f for f in TIER_FORMATS if _FORMAT_RANK[f] >= _FORMAT_RANK[self.mode]]
+            raise ValueError(
+                f"QuantConfig.recent_format={self.recent_format!r} is coarser than the history's {self.mode!r}: a "
+                f"recent chunk would gain no precision by aging; allowed: {', '.join(finer)}"
+            )
+
+    # ------------------------------------------------------------------ tiers
+    def tier_format(self, tier: str) -> str:
+        """The format name of `tier` ('sink', 'history' or 'recent'): one of `TIER_FORMATS` ('bf16' when
+        quantization is off). ValueError for an unknown tier."""
+        if tier not in TIERS:
+            raise ValueError(f"unknown tier {tier!r}; allowed: {', '.join(TIERS)}")
+        if not self.enabled:
+            return "bf16"
+        if tier == "history":
+            return self.mode if self.mode != "off" else "bf16"
+        if tier == "recent":
+            return self.recent_format
+        if not self.sink:
+            return "bf16"
+        return self.mode if self.sink_format is None else self.sink_format
+
+    @property
+    def tiered(self) -> bool:
+        """True when a tier differs from today's defaults (recent dense, sink like the history or dense)."""
+        return self.enabled and (self.recent_format != "bf16" or self.sink_format not in (None, "bf16", self.mode))
+
+    def tier_quant(self, tier: str) -> QuantConfig | None:
+        """The PRQ config packing `tier`'s chunks: self for the history's format, a derived config (this config's
+        centroids, block, stages, iterations, seed; compact's format fields) for another int4/int2/compact tier,
+        None for a dense ('bf16') or fp8 tier (fp8 is `quant/fp8.py`'s codec)."""
+        name = self.tier_format(tier)
+        if name in ("bf16", "fp8"):
+            return None
+        if name == self.mode:
+            return self
+        if name == COMPACT_MODE:
+            return QuantConfig.compact(seed=self.seed, kmeans_iters=self.kmeans_iters, centroids=self.centroids)
+        return QuantConfig(
+            bits=_MODE_TO_BITS[name], centroids=self.centroids, block_size=self.block_size, stages=self.stages,
+            kmeans_iters=self.kmeans_iters, asymmetric=self.asymmetric, seed=self.seed,
+        )  # fmt: skip
+
     # ------------------------------------------------------------------ text
     def describe(self) -> str:
         """One line for logs, e.g. 'PRQ int2 sym, 128 centroids x 1 stage, block 64, 2 iters, ...'."""
@@ -192,10 +293,13 @@ class QuantConfig:
         packing += ", fp8 codebooks" if self.codebook_fp8 else ""
         stage_word = "stage" if self.stages == 1 else "stages"
         sink = f"sink packed (keep {self.sink_keep_chunks} dense)" if self.sink else "sink kept dense"
+        recent = "dense" if self.recent_format == "bf16" else f"in {self.recent_format}"
+        if self.tiered:
+            sink += f"; tiers: sink {self.tier_format('sink')}, recent {self.recent_format}, history {self.mode}"
         return (
             f"PRQ {self.mode} {kind}{packing}, {self.centroids} centroids x {self.stages} {stage_word}, "
             f"block {self.block_size}, {self.kmeans_iters} k-means iters, seed {self.seed}; "
-            f"keep {self.keep_recent_chunks} recent chunk(s) dense, {sink}"
+            f"keep {self.keep_recent_chunks} recent chunk(s) {recent}, {sink}"
         )
 
     # ------------------------------------------------------------------ parsing
@@ -210,7 +314,9 @@ class QuantConfig:
 
         Keys may use dashes or underscores and a leading `--`. Values may be strings (as parsed from a command line):
         `kv_cache_quant` takes off/none/bf16/int4/int2, or compact (`QuantConfig.compact()`, whose fields the other
-        keys given override); booleans take true/false/1/0/yes/no/on/off.
+        keys given override); booleans take true/false/1/0/yes/no/on/off. `kv_cache_quant_sink` also takes a tier
+        format (int4, int2, compact, fp8: the sink tier's `sink_format`; bf16: the sink kept dense) and
+        `kv_cache_quant_recent` the recent tier's (`recent_format`).
 
         Raises:
             ValueError: an unknown key (listing the known ones), a key given twice, or a bad value.
@@ -219,6 +325,7 @@ class QuantConfig:
         kwargs: dict[str, Any] = {}
         source: dict[str, str] = {}
         compact = False
+        sink_tier: str | None = None
         for raw_key, value in d.items():
             key = str(raw_key).lstrip("-").replace("-", "_")
             name = SGLANG_KEYS.get(key, key if key in field_names else None)
@@ -229,12 +336,38 @@ class QuantConfig:
             if name == "bits" and isinstance(value, str) and value.strip().lower() == COMPACT_MODE:
                 compact = True
                 kwargs[name] = 2
+            elif name == "sink" and isinstance(value, str) and value.strip().lower() in TIER_FORMATS:
+                sink_tier = value.strip().lower()  # a format names the sink tier's; 'bf16' keeps the sink dense
+                kwargs[name] = sink_tier != "bf16"
+            elif name in ("sink_format", "recent_format") and isinstance(value, str):
+                kwargs[name] = value.strip().lower()
             else:
                 kwargs[name] = _parse_value(name, key, value)
             source[name] = str(raw_key)
+        if sink_tier is not None and sink_tier != "bf16":
+            if kwargs.get("sink_format") not in (None, sink_tier):
+                raise ValueError(
+                    f"sink format given twice ({source['sink']!r}={sink_tier!r} and "
+                    f"{source['sink_format']!r}={kwargs['sink_format']!r})"
+                )
+            kwargs["sink_format"] = sink_tier
         if compact:
             return cls.compact(**kwargs)
         return cls(**kwargs)
+
+
+def format_rank(name: str) -> int:
+    """Precision rank of a tier format (bf16 4, fp8 3, int4 2, int2 and compact 1): a chunk only ever moves to a
+    format of lower rank (aging), never back up."""
+    return _FORMAT_RANK[name]
+
+
+def _validate_tier_head_dim(tier: str, q: QuantConfig, head_dim: int) -> None:
+    """A derived tier config's block must divide `head_dim` (compact's 128-channel block needs head_dim % 128 == 0)."""
+    try:
+        q.validate(head_dim=head_dim)
+    except ValueError as exc:
+        raise ValueError(f"the {tier} tier's format {q.mode!r}: {exc}") from None
 
 
 def _check_int(name: str, value: object, *, lo: int, hi: int | None = None, why: str = "") -> None:

@@ -1,0 +1,204 @@
+"""pagedqvg.integrations.sglang_plugin without SGLang: every environment value (good and bad), the SystemExit that
+stops a process on a bad one (SGLang swallows a plugin's Exception), the version and signature checks, the entry
+point declared in pyproject.toml, and the AROUND hooks against stand-in stages. SGLang's real load_plugins(),
+HookRegistry and DiffGenerator run in .ci/sglang_runtime.sh."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+
+from pagedqvg import BlockPool, IntegrationError
+from pagedqvg.integrations import sglang as integ
+from pagedqvg.integrations import sglang_plugin as plugin
+from pagedqvg.integrations.sglang_plugin import PluginConfigError, settings_from_env
+
+GiB, MiB = 1 << 30, 1 << 20
+BAD = [
+    ({"PAGEDQVG_BUDGET": "-5GiB"}, "PAGEDQVG_BUDGET", "'-5GiB'"),
+    ({"PAGEDQVG_BUDGET": "lots"}, "PAGEDQVG_BUDGET", "'lots'"),
+    ({"PAGEDQVG_BUDGET": "24GB/s"}, "PAGEDQVG_BUDGET", "'24GB/s'"),
+    ({"PAGEDQVG_BUDGET": "24XiB"}, "PAGEDQVG_BUDGET", "'24XiB'"),
+    ({"PAGEDQVG_BUDGET": "1.5"}, "PAGEDQVG_BUDGET", "whole number of bytes"),
+    ({"PAGEDQVG_BUDGET": "512KiB"}, "PAGEDQVG_BUDGET", "below one page"),
+    ({"PAGEDQVG_BUDGET": "0"}, "PAGEDQVG_BUDGET", "below one page"),
+    ({"PAGEDQVG_MEMORY_FRACTION": "0"}, "PAGEDQVG_MEMORY_FRACTION", "(0, 1]"),
+    ({"PAGEDQVG_MEMORY_FRACTION": "1.5"}, "PAGEDQVG_MEMORY_FRACTION", "(0, 1]"),
+    ({"PAGEDQVG_MEMORY_FRACTION": "-0.5"}, "PAGEDQVG_MEMORY_FRACTION", "(0, 1]"),
+    ({"PAGEDQVG_MEMORY_FRACTION": "half"}, "PAGEDQVG_MEMORY_FRACTION", "(0, 1]"),
+    ({"PAGEDQVG_MEMORY_FRACTION": "nan"}, "PAGEDQVG_MEMORY_FRACTION", "(0, 1]"),
+    ({"PAGEDQVG_BUDGET": "1GiB", "PAGEDQVG_MEMORY_FRACTION": "0.5"}, "PAGEDQVG_MEMORY_FRACTION", "valid: one"),
+    ({"PAGEDQVG_BUDGET": "1GiB", "PAGEDQVG_KV_CACHE_QUANT": "int3"}, "PAGEDQVG_KV_CACHE_QUANT", "compact"),
+    (
+        {"PAGEDQVG_BUDGET": "1GiB", "PAGEDQVG_KV_CACHE_QUANT": "int2", "PAGEDQVG_KV_CACHE_QUANT_CENTROIDS": "many"},
+        "PAGEDQVG_KV_CACHE_QUANT_CENTROIDS",
+        "'many'",
+    ),
+    (
+        {"PAGEDQVG_BUDGET": "1GiB", "PAGEDQVG_KV_CACHE_QUANT": "int2", "PAGEDQVG_KV_CACHE_QUANT_CENTROID": "8"},
+        "PAGEDQVG_KV_CACHE_QUANT_CENTROID",
+        "unknown",
+    ),
+    ({"PAGEDQVG_BUDGET": "1GiB", "PAGEDQVG_KV_CACHE_QUANT_STAGES": "2"}, "PAGEDQVG_KV_CACHE_QUANT_STAGES", "without"),
+    ({"PAGEDQVG_KV_CACHE_QUANT": "int2"}, "PAGEDQVG_KV_CACHE_QUANT", "PAGEDQVG_BUDGET"),
+    ({"PAGEDQVG": "on"}, "PAGEDQVG", "PAGEDQVG_BUDGET"),
+    ({"PAGEDQVG": "maybe"}, "PAGEDQVG", "valid: off"),
+]
+
+
+@pytest.mark.parametrize(("env", "variable", "fragment"), BAD, ids=[str(e) for e, _, _ in BAD])
+def test_each_bad_value_names_variable_value_and_valid_forms(env, variable, fragment):
+    with pytest.raises(PluginConfigError) as info:
+        settings_from_env(env)
+    message = str(info.value)
+    assert f"{variable}=" in message and fragment in message and "valid" in message
+
+
+@pytest.mark.parametrize(("env", "variable", "fragment"), BAD[:3] + BAD[-3:], ids=str)
+def test_register_stops_the_process_on_a_bad_value(monkeypatch, env, variable, fragment):
+    """SystemExit, not an Exception: SGLang's load_plugins() catches Exception and goes on with its own caches."""
+    for key in [k for k in __import__("os").environ if k.startswith("PAGEDQVG")]:
+        monkeypatch.delenv(key)
+    for key, value in env.items():
+        monkeypatch.setenv(key, value)
+    with pytest.raises(SystemExit) as info:
+        plugin.register()
+    assert not isinstance(info.value, Exception)
+    assert str(info.value).startswith("pagedqvg: ") and f"{variable}=" in str(info.value)
+
+
+@pytest.mark.parametrize(
+    ("raw", "size"),
+    [("24GiB", 24 * GiB), ("24 GiB", 24 * GiB), ("1.5GB", 1_500_000_000), ("1048576", MiB), ("64mib", 64 * MiB)],
+)
+def test_sizes(raw, size):
+    settings = settings_from_env({"PAGEDQVG_BUDGET": raw})
+    assert settings.active and settings.budget_bytes == size and settings.memory_fraction is None
+
+
+def test_inactive_without_a_budget_or_when_switched_off():
+    unset = settings_from_env({})
+    assert not unset.active and "PAGEDQVG_BUDGET=24GiB" in unset.reason and "PAGEDQVG_MEMORY_FRACTION" in unset.reason
+    off = settings_from_env({"PAGEDQVG": "off", "PAGEDQVG_BUDGET": "garbage"})  # off: nothing else is read
+    assert not off.active and "PAGEDQVG=off" in off.reason
+
+
+def test_quant_variables_become_sglang_flag_names():
+    env = {
+        "PAGEDQVG_MEMORY_FRACTION": "0.5",
+        "PAGEDQVG_KV_CACHE_QUANT": "int2",
+        "PAGEDQVG_KV_CACHE_QUANT_CENTROIDS": "16",
+        "PAGEDQVG_KV_CACHE_QUANT_KEEP_RECENT": "0",
+    }
+    s = settings_from_env(env)
+    assert s.active and s.memory_fraction == 0.5
+    assert s.quant == {"kv_cache_quant": "int2", "kv_cache_quant_centroids": "16", "kv_cache_quant_keep_recent": "0"}
+    assert "kv_cache_quant=int2" in s.describe()
+
+
+def test_another_sglang_version_stops_with_the_version(monkeypatch):
+    import importlib.metadata as md
+
+    monkeypatch.setattr(md, "version", lambda name: "0.5.24" if name == "sglang" else "0")
+    for key in [k for k in __import__("os").environ if k.startswith("PAGEDQVG")]:
+        monkeypatch.delenv(key)
+    monkeypatch.setenv("PAGEDQVG_BUDGET", "64MiB")
+    with pytest.raises(SystemExit, match=r"SGLang 0\.5\.24 found; .*0\.5\.23"):
+        plugin.register()
+
+
+def test_entry_point_is_declared():
+    """The table SGLang's load_plugins() reads (its discovery from the installed metadata runs in CI)."""
+    text = (Path(__file__).parents[1] / "pyproject.toml").read_text()
+    table = text.split('[project.entry-points."sglang.multimodal_gen.plugins"]\n', 1)[1].split("\n[", 1)[0]
+    assert [line for line in table.splitlines() if line.strip()] == [
+        'pagedqvg = "pagedqvg.integrations.sglang_plugin:register"'
+    ]
+
+
+# ------------------------------------------------------------------------------------------ hooks on stand-in stages
+class _Stage:
+    num_transformer_blocks = 2
+    _kv_quant_args = None
+
+    def _allocate_causal_kv_cache(
+        self,
+        *,
+        batch_size,
+        kv_cache_size,
+        num_attention_heads,
+        attention_head_dim,
+        dtype,
+        device,
+        use_int_indices=False,
+        sink_tokens=0,
+        global_sink_tokens=0,
+        attention_window_size=None,
+        allow_growth=False,
+    ):
+        return ["sglang's own"]
+
+
+ARGS = dict(batch_size=1, kv_cache_size=16, num_attention_heads=2, attention_head_dim=8, dtype=torch.float32,
+            device="cpu", sink_tokens=4, global_sink_tokens=2)
+
+
+@pytest.fixture
+def configured():
+    pool = BlockPool(capacity_bytes=4 * MiB, page_bytes=4096)
+    integ._config.update(pool=pool, memory_fraction=None, budget_bytes=None, quant=None)
+    yield integ
+    integ._pools.clear()
+    integ._config.update(pool=None, memory_fraction=None, budget_bytes=None, quant=None)
+
+
+def test_base_hook_builds_paged_caches_and_quant_override(configured):
+    original = _Stage._allocate_causal_kv_cache
+    caches = integ.allocate_around(original, _Stage(), **ARGS)
+    assert [type(c) for c in caches] == [integ.PagedCausalSelfAttentionKVCache] * 2
+    configured._config["quant"] = {"kv_cache_quant": "int2", "kv_cache_quant_centroids": "4"}
+    packed = integ.allocate_around(original, _Stage(), **ARGS)
+    assert [type(c) for c in packed] == [integ.PagedQVGPackedCausalKVCache] * 2
+    assert packed[0]._seq.spec.global_sink_tokens == 2  # SGLang's QVG path refuses a global sink
+
+
+def test_lingbot_hook_delegates_to_sglang_when_quantization_is_off(configured):
+    original = _Stage._allocate_causal_kv_cache
+    assert integ.lingbot_allocate_around(original, _Stage(), **ARGS) == ["sglang's own"]
+
+    class FlagsOn(_Stage):
+        _kv_quant_args = type("Q", (), {"enabled": True, "bits": 2, "centroids": 4, "block_size": 8, "stages": 1,
+                                        "kmeans_iters": 2, "asymmetric": False, "keep_recent_chunks": 1,
+                                        "sink": True, "sink_keep_chunks": 0})()
+
+    assert type(integ.lingbot_allocate_around(original, FlagsOn(), **ARGS)[0]) is integ.PagedQVGPackedCausalKVCache
+    configured._config["quant"] = {"kv_cache_quant": "off"}  # the variable wins over the flags
+    assert type(integ.lingbot_allocate_around(original, FlagsOn(), **ARGS)[0]) is integ.PagedCausalSelfAttentionKVCache
+
+
+def test_a_changed_signature_is_refused(configured):
+    def changed(self, *, batch_size, kv_cache_size, num_heads, head_dim, dtype, device):
+        return []
+
+    with pytest.raises(IntegrationError, match=r"num_heads.*sglang==0\.5\.23"):
+        integ.allocate_around(changed, _Stage(), **ARGS)
+
+
+def test_a_worker_whose_hooks_sglang_did_not_apply_stops(monkeypatch):
+    """SGLang logs and skips a hook it cannot apply; the BEFORE hook on the worker's run_scheduler_process stops the
+    worker then instead of letting it run on SGLang's dense caches."""
+    import sys
+    import types
+
+    name = "sglang.multimodal_gen.runtime.platforms.plugins"
+    parts = name.split(".")
+    for i in range(1, len(parts) + 1):
+        monkeypatch.setitem(sys.modules, ".".join(parts[:i]), types.ModuleType(".".join(parts[:i])))
+    registry = type("HookRegistry", (), {"_patched": {plugin.HOOK_TARGETS[0]}})
+    sys.modules[name].HookRegistry = registry
+    with pytest.raises(SystemExit, match=r"could not apply the hooks on .*LingBotWorld.*PAGEDQVG=off"):
+        plugin._require_hooks_applied("spec")
+    registry._patched = set(plugin.HOOK_TARGETS)
+    assert plugin._require_hooks_applied("spec") is None
