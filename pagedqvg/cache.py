@@ -450,7 +450,8 @@ class PagedCausalKVCache:
         debug_name: str | None = None,
     ) -> torch.Tensor:
         """Write one chunk's K/V exactly as `update_and_get_attention_kv` does and return attention over the rows its
-        view would hold, without building the view (attention.py: tiles decoded from pages, online softmax in fp32).
+        view would hold, without building the view (attention.py: tiles decoded from pages, online softmax in fp32;
+        on the Triton backend one launch of kernels/triton_attention.py).
 
         Args:
             query: `[batch, query tokens, heads, head_dim]`, the cache dtype and device, `key`'s heads.
@@ -558,14 +559,21 @@ class PagedCausalKVCache:
         segments, and journal this cache's allocations and frees (with a copy of each freed page's bytes: transient,
         outside the pool). Cost per call: copies of the state, the segment table and the freed pages' bytes."""
         self.pool.lock.acquire()
-        self._txn = (self._seq.spec, copy.deepcopy(self._seq.state), copy.deepcopy(self._seq.index))
+        originals = {e.start: e.value for e in self._seq.index}
+        self._txn = (self._seq.spec, copy.deepcopy(self._seq.state), copy.deepcopy(self._seq.index), originals)
         self.pool.journal_begin(self.owner)
 
     def _rollback(self) -> None:
         """Undo the transaction: pages taken go back, pages freed return with their bytes, the sequencer is restored."""
         try:
             self.pool.journal_rollback()
-            self._seq.spec, self._seq.state, self._seq.index = self._txn
+            self._seq.spec, self._seq.state, self._seq.index, originals = self._txn
+            for entry in self._seq.index:  # the same Segment objects as before the call, with their saved fields
+                orig = originals.get(entry.start)
+                if orig is not None:
+                    for field in Segment.__slots__:
+                        setattr(orig, field, getattr(entry.value, field))
+                    entry.value = orig
             self._txn = None
             self._structure_changed()
             self._packer.report_used()
