@@ -152,20 +152,33 @@ def pages_view(cache: Any, key, value, current_chunk_start, cache_head_start, re
 
 def _pages_forward(original):
     def forward(self, q, k, v, attn_mask=None):
-        if (
-            attn_mask is None
-            and isinstance(k, PagesKV)
-            and isinstance(v, PagesKV)
-            and k.pending is v.pending
-            and (k.which, v.which) == (0, 1)
-            and not isinstance(q, PagesKV)
-        ):
+        if _is_pages_pair(q, k, v, attn_mask):
             return k.pending.attend(q, float(self.softmax_scale))
         return original(self, q, k, v, attn_mask)
 
     forward.__wrapped__ = original
     forward.__pagedqvg_pages__ = True
     return forward
+
+
+def _is_pages_pair(q: Any, k: Any, v: Any, attn_mask: Any) -> bool:
+    """Whether `LocalAttention(q, k, v, attn_mask)` is a pages-mode call: K and V of one pending view, no mask."""
+    return (
+        attn_mask is None
+        and isinstance(k, PagesKV)
+        and isinstance(v, PagesKV)
+        and k.pending is v.pending
+        and (k.which, v.which) == (0, 1)
+        and not isinstance(q, PagesKV)
+    )
+
+
+def pages_attention_around(original: Any, layer: Any, q: Any, k: Any, v: Any, attn_mask: Any = None) -> Any:
+    """AROUND hook (SGLang's `plugin_hook`, the entry-point plugin's way in) for `LocalAttention.forward`: attention
+    from pages for a pages-mode view, SGLang's own forward otherwise."""
+    if _is_pages_pair(q, k, v, attn_mask):
+        return k.pending.attend(q, float(layer.softmax_scale))
+    return original(layer, q, k, v, attn_mask)
 
 
 def patch_attention(patch: Any, done: list[str]) -> None:
