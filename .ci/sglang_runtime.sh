@@ -8,6 +8,8 @@
 # comes from the installed distribution's metadata. TORCHDYNAMO_DISABLE=1: SGLang's torch.compile'd native ops
 # would compile C++ on a CPU for minutes.
 #
+# Then tests/test_integrations_sglang_lingbot.py (LingBot-World in-process, about a minute) unless only plugins.
+#
 # Usage: PYTHON=/path/to/venv/python .ci/sglang_runtime.sh [plugins|generate|all]
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -31,6 +33,14 @@ echo "sglang_runtime: installed in $(( $(date +%s) - start )) s"
 
 cd "$work"  # not the repo: pagedqvg must come from the installed distribution
 TORCHDYNAMO_DISABLE=1 "$PYTHON" "$repo/.ci/sglang_runtime.py" "$work" "${1:-all}"
+# LingBot-World in-process (item 7): SGLang's LingBotWorldCausalDMDDenoisingStage, its dense cache vs pagedqvg through
+# install() (the test installs / uninstalls itself; SGLANG_PLUGINS keeps pagedqvg's entry point out). 3 passed.
+if [ "${1:-all}" != plugins ]; then
+  env -u PAGEDQVG_BUDGET -u PAGEDQVG_MEMORY_FRACTION SGLANG_PLUGINS=ci_cpu_ops TORCHDYNAMO_DISABLE=1 \
+    "$PYTHON" -m pytest -q -p no:cacheprovider --rootdir "$repo" -c "$repo/pyproject.toml" \
+    "$repo/tests/test_integrations_sglang_lingbot.py"
+  echo "sglang_runtime: LingBot-World in-process done at $(( $(date +%s) - start )) s"
+fi
 # Leave the CI venv's pagedqvg editable again (the README's test command installed it so).
 "$PYTHON" -m pip install -q --no-deps -e "$repo"
 echo "sglang_runtime: done in $(( $(date +%s) - start )) s"

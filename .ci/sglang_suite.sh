@@ -52,4 +52,11 @@ if [ "$rc" -eq 0 ] || ! grep -q "assert cache.k is k" <<<"$out"; then
   exit 1
 fi
 echo "sglang_suite: documented difference confirmed ($documented fails on 'assert cache.k is k')"
+
+# Attention mode `pages` on SGLang's real LongLive2 stage (tiny random-weight transformer; quant off within 2e-3 of
+# SGLang's dense cache, view mode exact, int2 for scale): tests/test_integrations_sglang_pages.py's real-stage test.
+cd "$repo"
+PAGEDQVG_SGLANG_SRC="$work/src" "$PYTHON" -m pytest -q -p no:cacheprovider tests/test_integrations_sglang_pages.py \
+  -k real_longlive2
+cd "$work/src"
 echo "sglang_suite: done in $(( $(date +%s) - start )) s"

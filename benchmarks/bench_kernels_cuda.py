@@ -118,6 +118,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--quant", choices=sorted(QUANTS), default="int2", help="PRQ format of the packed parts")
     p.add_argument("--centroids", type=int, default=None, help="k-means centroids (default 128; 8 with --tiny)")
     p.add_argument("--no-packed", action="store_true", help="skip the packed view build and k-means parts")
+    p.add_argument("--no-attention", action="store_true", help="skip the attention-from-pages section")
     p.add_argument("--json", default=None, help="also write the results to this JSON file")
     return p.parse_args(argv)
 
@@ -164,6 +165,11 @@ def main(argv: list[str] | None = None) -> int:
         ok &= shape_ok
         if device.type == "cuda":
             torch.cuda.empty_cache()
+
+    if not args.no_attention:  # attention from pages (benchmarks/attention_cuda_section.py)
+        from attention_cuda_section import bench_attention
+
+        ok &= bench_attention(device, dtype, args.tiny, args.iters if device.type == "cuda" else 1)
 
     if device.type == "cuda":
         ok &= check_spills(device)

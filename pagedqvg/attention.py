@@ -35,7 +35,7 @@ from .page_io import PageIO, ViewPlan
 
 __all__ = [
     "ATTN_QUERY_TILE", "ATTN_TILE_TOKENS", "AttentionTiles", "LseMerge", "attend_pages", "attention_scratch_bytes",
-    "attention_tiles", "check_query", "merge_dtype", "packed_decode_bytes", "tile_attention",
+    "attention_tiles", "check_query", "merge_dtype", "packed_decode_bytes", "plan_sources", "tile_attention",
 ]  # fmt: skip
 
 
@@ -205,6 +205,28 @@ class LseMerge:
         return torch.empty(B, Tq, h, D, dtype=dtype, device=self.acc.device).copy_(self.acc.transpose(1, 2))
 
 
+def plan_sources(io: PageIO, plan: ViewPlan) -> tuple:
+    """`(plan_index, runs, packed, fmt)` of `plan`: the arguments of the attention kernel and its reference
+    (kernels/triton_attention.py, kernels/attention_runs.py). No copy."""
+    if plan.page_idx is not None:
+        assert plan.slot_idx is not None
+        return (plan.page_idx, plan.slot_idx), None, None, None
+    st = io.packed
+    if st is None:
+        return None, plan.runs, None, None
+    return None, plan.runs, (st.token_view, st.codebook_rows, plan.cb_pages), st.fmt
+
+
+def _attend_pages_triton(io: PageIO, plan: ViewPlan, head_start: int, query: torch.Tensor, scale: float):
+    """The Triton backend's `attend_pages`: one launch of the attention kernel over the plan (no tiles, no
+    scratch besides the output)."""
+    from .kernels.triton_attention import attend_triton  # lazily: importing pagedqvg never imports triton
+
+    out = torch.empty(query.shape, dtype=query.dtype, device=query.device)
+    attend_triton(query, io.rows, *plan_sources(io, plan), head_start, plan.tokens, scale, out)
+    return out
+
+
 def attend_pages(
     io: PageIO,
     plan: ViewPlan,
@@ -221,6 +243,8 @@ def attend_pages(
     the cache dtype (checked by the caller). Returns `[B, Tq, Hin, D]` in the query dtype. Transient bytes:
     `attention_scratch_bytes`; O(Tq · T · Hin · D) flops. Tile sizes default to `ATTN_TILE_TOKENS` and
     `ATTN_QUERY_TILE` (read at call time)."""
+    if io.backend == "triton":
+        return _attend_pages_triton(io, plan, head_start, query, scale)
     tile_tokens = ATTN_TILE_TOKENS if tile_tokens is None else tile_tokens
     query_tile = ATTN_QUERY_TILE if query_tile is None else query_tile
     cut = attention_tiles(io, plan, tile_tokens)

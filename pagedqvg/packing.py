@@ -95,7 +95,14 @@ class PackedStore:
         written to pages, because the cache frees the chunk's dense pages before it takes the packed ones (the
         pool's peak stays what the planner computes) and everything that can fail must happen before that: the
         commit is then page copies only (`write`). The staging costs 2*B*row_bytes per token, ~3% of the dense
-        chunk (35 vs 1,280 B per token-head at int2, D=128). Raises ValueError on non-finite values."""
+        chunk (35 vs 1,280 B per token-head at int2, D=128). Raises ValueError on non-finite values. Runs with
+        autocast off: callers (SGLang's DiT forward) write K/V inside `torch.autocast`, which would change the
+        k-means matmul precision and refuses fp8 codebooks (compact) in `torch.cat`."""
+        with torch.autocast(dense.device.type, enabled=False):
+            return self._quantize(dense)
+
+    def _quantize(self, dense: torch.Tensor) -> QuantizedChunk:
+        """`quantize` outside autocast."""
         _, n, B, H, D = dense.shape
         rows = torch.empty(n, 2, B * self.fmt.token_row_bytes, dtype=torch.uint8, device=dense.device)
         token = torch.arange(n, device=dense.device)

@@ -173,3 +173,28 @@ def test_a_call_that_raises_has_not_happened(quant, monkeypatch):
     assert COUNTS["failed calls"] > 0
     sites = [s for s in SITES if s != "packed_dequant" or quant]
     assert all(COUNTS[f"faults at {s}"] > 0 for s in sites if s != "view_runs"), COUNTS  # view_runs: packed views
+
+
+
+def test_a_rolled_back_call_keeps_the_segment_objects(monkeypatch):
+    """A failed advance restores the very `Segment` objects the cache held before it (with their fields), not
+    copies: anything that follows a segment by identity (plans kept per segment, the quantized fuzz machine's
+    record of packed chunks) sees no change."""
+    pool = BlockPool(capacity_bytes=64 * PAGE_BYTES, page_bytes=PAGE_BYTES, device="cpu")
+    cache = make_caches(pool, False, "ident")[0]
+    for chunk in range(2):
+        k, v = kv(chunk, 4, cache.num_cache_heads)
+        cache.update_and_get_attention_kv(key=k, value=v, current_chunk_start=4 * chunk)
+    before = [(e.start, e.end, e.value, list(e.value.pages), e.value.kind) for e in cache._seq.index]
+
+    def fail(*args, **kwargs):
+        raise RuntimeError("CUDA error: an illegal memory access was encountered (injected)")
+
+    monkeypatch.setattr(cache._io, "write", fail)
+    k, v = kv(2, 4, cache.num_cache_heads)
+    with pytest.raises(RuntimeError, match="illegal memory access"):
+        cache.update_and_get_attention_kv(key=k, value=v, current_chunk_start=8)
+    after = [(e.start, e.end, e.value, list(e.value.pages), e.value.kind) for e in cache._seq.index]
+    assert [x[:2] + x[3:] for x in after] == [x[:2] + x[3:] for x in before]
+    assert all(a[2] is b[2] for a, b in zip(after, before, strict=True))
+    pool.check()

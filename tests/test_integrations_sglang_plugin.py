@@ -202,3 +202,56 @@ def test_a_worker_whose_hooks_sglang_did_not_apply_stops(monkeypatch):
         plugin._require_hooks_applied("spec")
     registry._patched = set(plugin.HOOK_TARGETS)
     assert plugin._require_hooks_applied("spec") is None
+
+
+def test_attention_variable():
+    """PAGEDQVG_ATTENTION: view (unset, empty) or pages, case-insensitive; a bad value names the variable and the
+    valid forms; asking for pages without a budget is refused like the quantization variable."""
+    base = {"PAGEDQVG_BUDGET": "1GiB"}
+    assert settings_from_env(base).attention == "view"
+    assert settings_from_env({**base, "PAGEDQVG_ATTENTION": ""}).attention == "view"
+    assert settings_from_env({**base, "PAGEDQVG_ATTENTION": " Pages "}).attention == "pages"
+    assert "from pages" in settings_from_env({**base, "PAGEDQVG_ATTENTION": "pages"}).describe()
+    with pytest.raises(PluginConfigError, match=r"PAGEDQVG_ATTENTION='paged'.*valid: view or pages"):
+        settings_from_env({**base, "PAGEDQVG_ATTENTION": "paged"})
+    with pytest.raises(PluginConfigError, match=r"PAGEDQVG_ATTENTION='pages' asks for pagedqvg.*PAGEDQVG_BUDGET"):
+        settings_from_env({"PAGEDQVG_ATTENTION": "pages"})
+
+
+def test_pages_mode_requires_its_attention_hook(monkeypatch):
+    """In pages mode the worker also stops when SGLang did not apply the LocalAttention.forward hook."""
+    import sys
+    import types
+
+    from pagedqvg.integrations import sglang_attention
+
+    name = "sglang.multimodal_gen.runtime.platforms.plugins"
+    parts = name.split(".")
+    for i in range(1, len(parts) + 1):
+        monkeypatch.setitem(sys.modules, ".".join(parts[:i]), types.ModuleType(".".join(parts[:i])))
+    registry = type("HookRegistry", (), {"_patched": set(plugin.HOOK_TARGETS)})
+    sys.modules[name].HookRegistry = registry
+    before = sglang_attention.set_attention_mode("pages")
+    try:
+        with pytest.raises(SystemExit, match=r"LocalAttention\.forward"):
+            plugin._require_hooks_applied("spec")
+        registry._patched = set(plugin.HOOK_TARGETS) | {plugin.ATTENTION_TARGET}
+        assert plugin._require_hooks_applied("spec") is None
+    finally:
+        sglang_attention.set_attention_mode(before)
+
+
+def test_pages_attention_around_falls_back_to_sglang_for_other_calls():
+    """The AROUND hook hands every call that is not a pages-mode view's K/V pair to SGLang's own forward."""
+    from pagedqvg.integrations.sglang_attention import pages_attention_around
+
+    calls = []
+
+    def original(layer, q, k, v, attn_mask):
+        calls.append((q, k, v, attn_mask))
+        return "sglang"
+
+    q = k = v = torch.zeros(1, 2, 1, 4)
+    assert pages_attention_around(original, object(), q, k, v) == "sglang"
+    assert pages_attention_around(original, object(), q, k, v, attn_mask=torch.ones(1)) == "sglang"
+    assert len(calls) == 2

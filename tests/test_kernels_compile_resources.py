@@ -36,6 +36,12 @@ PINNED = {
     "residual_pack/compact": "BLOCK_R=16 BLOCK_CB=32 BLOCK_NB=1 warps=8",
     "kmeans_assign": "BLOCK_D=128 BLOCK_S=64 BLOCK_K=64 BLOCK_DK=32 warps=8",
     "kmeans_update": "BLOCK_D=128 BLOCK_S=64 BLOCK_K=32 warps=8",
+    "attention/index": "BLOCK_M=64 BLOCK_N=64 BLOCK_D=128 warps=8",
+    "attention/dense": "BLOCK_M=64 BLOCK_N=64 BLOCK_D=128 warps=8",
+    # Packed decode in registers: 32 key rows per block (compact spilled 756 B/thread at 64; 255 registers at 32).
+    "attention/int4": "BLOCK_M=64 BLOCK_N=32 BLOCK_D=128 warps=8",
+    "attention/int2": "BLOCK_M=64 BLOCK_N=32 BLOCK_D=128 warps=8",
+    "attention/compact": "BLOCK_M=64 BLOCK_N=32 BLOCK_D=128 warps=8",
 }
 SHAPES = ("lingbot-world", "lingbot-world/ulysses2", "longlive2", "self-forcing")
 #: sm_90's shared memory per block (227 KiB) and registers per thread.

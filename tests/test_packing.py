@@ -57,6 +57,17 @@ def test_quantize_is_the_prq_codec_and_changes_no_page(name):
     want_cb = fmt_all.pack_codebooks(torch.cat([s.codebooks for s in segs]))
     assert torch.equal(q.codebook_rows, want_cb)
 
+@pytest.mark.parametrize("name", sorted(CFGS))
+def test_quantize_inside_autocast_is_the_same_as_outside(name):
+    """SGLang writes K/V inside `torch.autocast` (bf16): packing turns it off, so the rows are bit for bit those
+    packed outside (k-means matmuls in float32), and compact's fp8 codebooks pack (autocast's `cat` refuses fp8)."""
+    cfg = CFGS[name]
+    _, store, dense, _, _ = setup(cfg)
+    want = store.quantize(dense)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        got = store.quantize(dense)
+    assert torch.equal(got.token_rows, want.token_rows) and torch.equal(got.codebook_rows, want.codebook_rows)
+
 
 @pytest.mark.parametrize("name", sorted(CFGS))
 def test_written_pages_dequantize_to_the_round_trip(name):

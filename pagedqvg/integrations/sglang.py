@@ -40,6 +40,7 @@ from ..quant import QuantConfig
 from ..quant.config import SGLANG_KEYS
 from ..validation import SUPPORTED_DTYPES
 from ..view import CausalAttentionKVView
+from . import sglang_attention as _attention
 
 __all__ = [
     "PagedCausalSelfAttentionKVCache",
@@ -323,6 +324,10 @@ class _SGLangSurface(PagedCausalKVCache):
             key = key.to(self.dtype)
         if isinstance(value, torch.Tensor) and value.dtype != self.dtype and value.dtype.is_floating_point:
             value = value.to(self.dtype)
+        if _attention.attention_mode() == "pages":  # sglang_attention.py: the view deferred, attention from pages
+            return _attention.pages_view(
+                self, key, value, current_chunk_start, cache_head_start, recent_window_tokens, debug_name
+            )
         return super().update_and_get_attention_kv(
             key=key,
             value=value,
@@ -885,6 +890,7 @@ def install(
     pool: BlockPool | None = None,
     memory_fraction: float | None = None,
     budget_bytes: int | None = None,
+    attention: str = "view",
 ) -> list[str]:
     """Make SGLang build pagedqvg caches wherever it builds `CausalSelfAttentionKVCache` or
     `QVGPackedCausalKVCache`; every cache of a device shares one `BlockPool`.
@@ -895,6 +901,8 @@ def install(
             (0, 1] of the device's free memory then.
         budget_bytes: instead of `memory_fraction`: the pool's size in bytes.
         At least one is required; `memory_fraction` and `budget_bytes` exclude each other.
+        attention: `view` (SGLang attends over the materialized view) or `pages` (SGLang's causal self-attention
+            computed from the pages; sglang_attention.py). The plugin passes `attention_mode_from_env()`.
 
     Returns:
         What was patched, as `module.attribute` strings (both classes in every SGLang module that binds them, and
@@ -907,6 +915,7 @@ def install(
         IntegrationError: SGLang 0.5.23's multimodal_gen is not importable (nothing is patched).
     """
     _check_install_args(pool, memory_fraction, budget_bytes)
+    mode = _attention.check_attention_mode(attention)
     with _lock:
         modules = _import_sglang()
         done: list[str] = []
@@ -928,6 +937,9 @@ def install(
                         done,
                     )
         _patch_bindings(done)
+        if mode == "pages":
+            _attention.patch_attention(_patch, done)
+        _attention.set_attention_mode(mode)
         _config.update(pool=pool, memory_fraction=memory_fraction, budget_bytes=budget_bytes)
         return installed()
 
@@ -965,4 +977,5 @@ def uninstall() -> list[str]:
         _originals.clear()
         _pools.clear()
         _config.update(pool=None, memory_fraction=None, budget_bytes=None, quant=None)
+        _attention.set_attention_mode("view")
         return restored

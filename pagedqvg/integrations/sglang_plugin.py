@@ -14,6 +14,8 @@ Configuration (environment variables, inherited by spawned workers):
     PAGEDQVG_KV_CACHE_QUANT_<FLAG>  each of SGLang's --kv-cache-quant-<flag> (CENTROIDS, BLOCK_SIZE, STAGES, ITERS,
                                KEEP_RECENT, SINK_KEEP, ASYMMETRIC, SINK) and pagedqvg's (SEED, PACK_TRITS,
                                FIT_SCALES, CODEBOOK_FP8)
+    PAGEDQVG_ATTENTION         view (default) | pages: SGLang's causal self-attention computes attention straight
+                               from the pool's pages (`update_and_attend`) instead of over a materialized view
     PAGEDQVG=off               disable (the plugin registers nothing)
 pagedqvg is active only with a budget variable (a pool sized without the user's say could take memory SGLang's
 activations need); without one each process logs how to turn it on. Any bad value stops the process with
@@ -38,14 +40,24 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from ..allocator import DEFAULT_PAGE_BYTES
-from ..errors import IntegrationError
+from ..errors import CacheConfigError, IntegrationError
 
-__all__ = ["ENV_BUDGET", "ENV_FRACTION", "ENV_QUANT", "ENV_SWITCH", "PluginSettings", "register", "settings_from_env"]
+__all__ = [
+    "ENV_ATTENTION",
+    "ENV_BUDGET",
+    "ENV_FRACTION",
+    "ENV_QUANT",
+    "ENV_SWITCH",
+    "PluginSettings",
+    "register",
+    "settings_from_env",
+]
 
 ENV_SWITCH = "PAGEDQVG"
 ENV_BUDGET = "PAGEDQVG_BUDGET"
 ENV_FRACTION = "PAGEDQVG_MEMORY_FRACTION"
 ENV_QUANT = "PAGEDQVG_KV_CACHE_QUANT"
+ENV_ATTENTION = "PAGEDQVG_ATTENTION"
 SGLANG_VERSION = "0.5.23"
 _STAGES = "sglang.multimodal_gen.runtime.pipelines_core.stages"
 HOOK_TARGETS = (
@@ -53,6 +65,8 @@ HOOK_TARGETS = (
     f"{_STAGES}.model_specific_stages.lingbot_world.lingbot_world_causal_denoising."
     "LingBotWorldCausalDMDDenoisingStage._allocate_causal_kv_cache",
 )
+#: The attention layer every causal self-attention of SGLang 0.5.23 calls with the view's K and V (pages mode).
+ATTENTION_TARGET = "sglang.multimodal_gen.runtime.layers.attention.layer.LocalAttention.forward"
 #: Resolved from its module after hook application in every SGLang worker (worker_bootstrap.py).
 WORKER_TARGET = "sglang.multimodal_gen.runtime.managers.gpu_worker.run_scheduler_process"
 _UNITS = {"": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12}
@@ -76,6 +90,7 @@ class PluginSettings:
     memory_fraction: float | None = None
     quant: dict[str, str] | None = None  # SGLang flag names (kv_cache_quant, kv_cache_quant_centroids, ...)
     given: dict[str, str] = field(default_factory=dict)
+    attention: str = "view"  # PAGEDQVG_ATTENTION: "view" or "pages"
 
     def describe(self) -> str:
         """One line: the budget per rank and the quantization."""
@@ -84,7 +99,9 @@ class PluginSettings:
             " ".join(f"{k}={v}" for k, v in self.quant.items()) if self.quant else "each stage's own (dense unless "
             "LingBot-World's --kv-cache-quant)"
         )
-        return f"pool per rank on its device at the first cache, {size}; quantization: {quant}"
+        return f"pool per rank on its device at the first cache, {size}; quantization: {quant}; attention: " + (
+            "from pages (PAGEDQVG_ATTENTION=pages)" if self.attention == "pages" else "over the view"
+        )
 
 
 def parse_size(variable: str, raw: str) -> int:
@@ -155,9 +172,16 @@ def settings_from_env(env: Mapping[str, str] | None = None) -> PluginSettings:
             f"{ENV_BUDGET}={env[ENV_BUDGET]!r} and {ENV_FRACTION}={env[ENV_FRACTION]!r} are both set; valid: one"
         )
     quant = parse_quant(env)
+    attention = parse_attention(env)
     if budget is None and fraction is None:
-        if quant is not None or switch in ("on", "1", "true", "yes"):
-            asked = f"{ENV_QUANT}={env[ENV_QUANT]!r}" if quant is not None else f"{ENV_SWITCH}={env[ENV_SWITCH]!r}"
+        if quant is not None or attention != "view" or switch in ("on", "1", "true", "yes"):
+            asked = (
+                f"{ENV_QUANT}={env[ENV_QUANT]!r}"
+                if quant is not None
+                else f"{ENV_ATTENTION}={env[ENV_ATTENTION]!r}"
+                if attention != "view"
+                else f"{ENV_SWITCH}={env[ENV_SWITCH]!r}"
+            )
             raise PluginConfigError(
                 f"{asked} asks for pagedqvg but neither {ENV_BUDGET} nor {ENV_FRACTION} is set; valid: also set "
                 f"{ENV_BUDGET}=24GiB (per rank) or {ENV_FRACTION}=0.5"
@@ -168,7 +192,19 @@ def settings_from_env(env: Mapping[str, str] | None = None) -> PluginSettings:
             f"to enable",
             given=given,
         )
-    return PluginSettings(True, budget_bytes=budget, memory_fraction=fraction, quant=quant, given=given)
+    return PluginSettings(
+        True, budget_bytes=budget, memory_fraction=fraction, quant=quant, given=given, attention=attention
+    )
+
+
+def parse_attention(env: Mapping[str, str]) -> str:
+    """`PAGEDQVG_ATTENTION`: "view" (unset or empty) or "pages"; PluginConfigError naming the value otherwise."""
+    from .sglang_attention import attention_mode_from_env
+
+    try:
+        return attention_mode_from_env(env)
+    except CacheConfigError as exc:
+        raise PluginConfigError(str(exc)) from None
 
 
 def _check_sglang_version() -> None:
@@ -218,11 +254,18 @@ def _require_hooks_applied(*args: Any, **kwargs: Any) -> None:
     whose allocation hooks did not apply would run on SGLang's dense caches, so it stops instead."""
     from sglang.multimodal_gen.runtime.platforms.plugins import HookRegistry
 
-    missing = [t for t in HOOK_TARGETS if t not in HookRegistry._patched]
+    missing = [t for t in _hook_targets() if t not in HookRegistry._patched]
     if missing:
         message = f"pagedqvg: SGLang could not apply the hooks on {missing} (see its log); set {ENV_SWITCH}=off to run"
         _say(logging.ERROR, message + " without pagedqvg")
         raise SystemExit(message + " without pagedqvg")
+
+
+def _hook_targets() -> tuple[str, ...]:
+    """The targets this process's hooks must have patched: the allocations, and the attention layer in pages mode."""
+    from .sglang_attention import attention_mode
+
+    return HOOK_TARGETS + ((ATTENTION_TARGET,) if attention_mode() == "pages" else ())
 
 
 def register() -> None:
@@ -247,8 +290,13 @@ def register() -> None:
     )
     plugin_hook(HOOK_TARGETS[0], HookType.AROUND)(integ.allocate_around)
     plugin_hook(HOOK_TARGETS[1], HookType.AROUND)(integ.lingbot_allocate_around)
+    if settings.attention == "pages":
+        from .sglang_attention import pages_attention_around, set_attention_mode
+
+        set_attention_mode("pages")
+        plugin_hook(ATTENTION_TARGET, HookType.AROUND)(pages_attention_around)
     plugin_hook(WORKER_TARGET, HookType.BEFORE)(_require_hooks_applied)
     if _announce_first_caches not in integ._cache_listeners:
         integ._cache_listeners.append(_announce_first_caches)
-    targets = ", ".join(t.rsplit(".", 2)[-2] + "." + t.rsplit(".", 1)[-1] for t in HOOK_TARGETS)
+    targets = ", ".join(t.rsplit(".", 2)[-2] + "." + t.rsplit(".", 1)[-1] for t in _hook_targets())
     _say(logging.INFO, f"pagedqvg: active: {settings.describe()}; AROUND hooks on {targets}")

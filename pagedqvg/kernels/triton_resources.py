@@ -29,7 +29,10 @@ from ..quant import PackedFormat, QuantConfig
 from .triton_aot import META, compile_resources, meta_rows
 
 #: Constexpr names that describe a launch's tile (the rest are layer/format constants).
-_CONFIG_KEYS = ("BLOCK_R", "HEADS_PER_BLOCK", "BLOCK_D", "BLOCK_S", "BLOCK_K", "BLOCK_DK", "BLOCK_CB", "BLOCK_NB")
+_CONFIG_KEYS = (
+    "BLOCK_M", "BLOCK_N", "BLOCK_R", "HEADS_PER_BLOCK", "BLOCK_D", "BLOCK_S", "BLOCK_K", "BLOCK_DK", "BLOCK_CB",
+    "BLOCK_NB",
+)
 PAGE_BYTES = 2 << 20
 
 
@@ -108,11 +111,29 @@ def launches(shape: LayerShape) -> dict[str, tuple]:
         idx = torch.empty(n, dtype=torch.int64, device=META)
         ids = torch.empty(g, n, cfg.stages, dtype=torch.uint8, device=META)
         out[f"residual_pack/{name}"] = residual_pack_launch(x, ids, dest, idx, idx, gfmt)
+    out.update(attention_launches(shape, rows, dense_rows, runs))
     k = QuantConfig(bits=2).centroids
     c = torch.empty(g, k, d, device=META)
     out["kmeans_assign"] = kmeans_assign_launch(x, c, torch.empty(g, n, dtype=torch.int64, device=META))
     out["kmeans_update"] = kmeans_update_launch(x, torch.empty(g, n, dtype=torch.int64, device=META), c,
                                                 torch.empty_like(c))  # fmt: skip
+    return out
+
+
+def attention_launches(shape: LayerShape, rows, dense_rows, runs) -> dict[str, tuple]:
+    """The attention-from-pages kernel (triton_attention.py) at `shape`: a chunk's queries over a dense view (row
+    index), a run table without packed sources, and a run table of each format."""
+    from .triton_attention import attend_launch
+
+    h, d, n, t = shape.heads, shape.head_dim, shape.chunk, shape.view
+    q = torch.empty(1, n, h, d, dtype=torch.bfloat16, device=META)
+    idx = torch.empty(2, 1, t, dtype=torch.int64, device=META)
+    out = {"attention/index": attend_launch(q, rows, (idx, idx), None, None, None, 0, t, d**-0.5, q)}
+    out["attention/dense"] = attend_launch(q, dense_rows, None, runs, None, None, 0, t, d**-0.5, q)
+    for name, cfg in formats().items():
+        fmt = PackedFormat(d, h, cfg, torch.bfloat16)
+        packed = packed_pages(fmt)
+        out[f"attention/{name}"] = attend_launch(q, dense_rows, None, runs, packed, fmt, 0, t, d**-0.5, q)
     return out
 
 

@@ -1,0 +1,191 @@
+"""SGLang 0.5.23's real LongLive2 transformer (tiny, seeded random weights, bf16 and fp32, CPU) through a causal DMD
+chunk loop (per chunk: denoising steps that rewrite the chunk's K/V, then a clean pass) over KV caches built by the real
+`CausalDMDDenoisingStage._allocate_causal_kv_cache`: SGLang's dense cache, and pagedqvg installed with
+attention `view` / `pages`, quantization off and int2 (pages also with 16-token attention tiles, so that the window
+spans several and their log-sum-exp merge runs); for bf16 also SGLang's dense cache with its attention computed in
+fp32 (the noise floor of bf16 rounding here). Prints one JSON object per dtype: each run's relative L2 error of the
+final latents against the dense cache's run in that dtype, and how many self-attention calls attended from pages.
+
+Usage: python tests/sglang_longlive2_pages.py SGLANG_SRC   (SGLANG_SRC: a folder holding SGLang 0.5.23's `sglang`
+package, e.g. the wheel extracted without `sglang/__init__.py`, as .ci/sglang_suite.sh does; SGLang's heavy
+third-party imports resolve to .ci/sglang_plugin.py's placeholders). About a minute of imports, then seconds.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+import types
+
+import torch
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+#: Model and loop: 2 layers x 2 heads x 64; 8x8 latents (16 tokens a frame), 2 frames a chunk, 6 chunks, a window of
+#: 4 frames with a 1-frame sink (the cache rolls), 4 denoising steps and a clean pass per chunk.
+HEADS, HEAD_DIM, LAYERS, CHANNELS, SIDE = 2, 64, 2, 4, 8
+FRAMES_PER_CHUNK, CHUNKS, WINDOW_FRAMES, SINK_FRAMES = 2, 6, 4, 1
+STEPS = (1000, 750, 500, 250)
+TOKENS_PER_FRAME = (SIDE // 2) ** 2
+INT2 = dict(
+    enabled=True, bits=2, centroids=16, block_size=64, stages=1, kmeans_iters=2, asymmetric=False,
+    keep_recent_chunks=1, sink=True, sink_keep_chunks=0,
+)  # fmt: skip
+
+
+def _sglang(src: str) -> types.SimpleNamespace:
+    sys.path[:0] = [src, os.path.join(REPO, ".ci")]
+    import sglang_plugin  # noqa: F401  (placeholders for SGLang's unused third-party imports)
+
+    for key, value in dict(MASTER_ADDR="127.0.0.1", MASTER_PORT="29533", RANK="0", LOCAL_RANK="0").items():
+        os.environ.setdefault(key, value)
+    os.environ["WORLD_SIZE"] = "1"
+    from sglang.multimodal_gen.configs.models.dits.longlive2 import LongLive2ArchConfig, LongLive2VideoConfig
+    from sglang.multimodal_gen.runtime.distributed import parallel_state
+    from sglang.multimodal_gen.runtime.managers.forward_context import set_forward_context
+    from sglang.multimodal_gen.runtime.models.dits.longlive2 import LongLive2Transformer3DModel
+    from sglang.multimodal_gen.runtime.pipelines_core.stages.causal_denoising import CausalDMDDenoisingStage
+    from sglang.multimodal_gen.runtime.server_args import set_global_server_args
+    from sglang.multimodal_gen.test.unit.conftest import _make_unit_server_args
+    from sglang.multimodal_gen.test.unit.host_sync_guard import tiny_dit_runtime
+
+    # SGLang's srt-side mirror of the TP group reads msgspec structs (a placeholder here); one process, no srt model.
+    parallel_state._sync_srt_tp_group = lambda: None
+    parallel_state.maybe_init_distributed_environment_and_model_parallel(tp_size=1, sp_size=1)
+    set_global_server_args(_make_unit_server_args())
+    from sglang.kernels.ops.diffusion.modulate import scale_shift_triton as modulate
+
+    def scale_shift_torch(x, scale, shift, scale_constant=1.0, block_l=128, block_c=128):
+        # SGLang's CPU branch calls sgl-kernel's fused op (no wheel here): its formula in torch
+        scale = modulate.expand_scale_shift_cpu_param(scale, x)
+        shift = modulate.expand_scale_shift_cpu_param(shift, x)
+        return (x * (scale_constant + scale) + shift).to(x.dtype)
+
+    for name, module in list(sys.modules.items()):  # every SGLang module that bound it
+        if name.startswith("sglang.") and hasattr(module, "fuse_scale_shift_kernel"):
+            module.fuse_scale_shift_kernel = scale_shift_torch
+    return types.SimpleNamespace(
+        Arch=LongLive2ArchConfig, Config=LongLive2VideoConfig, Model=LongLive2Transformer3DModel,
+        Stage=CausalDMDDenoisingStage, forward_context=set_forward_context, runtime=tiny_dit_runtime,
+    )  # fmt: skip
+
+
+def build_model(sgl: types.SimpleNamespace, dtype: torch.dtype) -> torch.nn.Module:
+    arch = sgl.Arch(
+        num_attention_heads=HEADS, attention_head_dim=HEAD_DIM, in_channels=CHANNELS, out_channels=CHANNELS,
+        text_dim=16, freq_dim=16, ffn_dim=128, num_layers=LAYERS,
+        local_attn_size=WINDOW_FRAMES, sink_size=SINK_FRAMES, num_frames_per_block=FRAMES_PER_CHUNK,
+    )  # fmt: skip
+    model = sgl.Model(sgl.Config(arch_config=arch), hf_config={})
+    gen = torch.Generator().manual_seed(0)
+    with torch.no_grad():
+        for p in model.parameters():  # seeded weights (SGLang's layers may leave theirs uninitialized)
+            noise = torch.randn(p.shape, generator=gen)
+            p.copy_(noise / p.shape[-1] ** 0.5 if p.dim() > 1 else 1 + 0.02 * noise)
+    return model.to(dtype).eval()
+
+
+def run_loop(sgl, model, caches, dtype: torch.dtype) -> torch.Tensor:
+    """The causal DMD loop over `caches` (one per layer); returns the final latents `[1, C, frames, H, W]` (fp32)."""
+    gen = torch.Generator().manual_seed(1)
+    text = torch.randn(1, 5, 16, generator=gen).to(dtype)
+    out = []
+    batch = types.SimpleNamespace(enable_sequence_shard=False, enable_teacache=False, enable_spectrum=False, extra={})
+    for chunk in range(CHUNKS):
+        x = torch.randn(1, CHANNELS, FRAMES_PER_CHUNK, SIDE, SIDE, generator=gen).to(dtype)
+        start_frame = chunk * FRAMES_PER_CHUNK
+        for t in (*STEPS, 0):
+            with sgl.forward_context(0, None, forward_batch=batch):
+                pred = model(
+                    hidden_states=x, encoder_hidden_states=text,
+                    timestep=torch.full((1, FRAMES_PER_CHUNK), t, dtype=torch.long),
+                    kv_cache=caches, crossattn_cache=[None] * LAYERS,
+                    current_start=start_frame * TOKENS_PER_FRAME, start_frame=start_frame,
+                )  # fmt: skip
+            if t:
+                x = (0.5 * x.float() + 0.5 * pred.float()).to(dtype)
+        out.append(x.float())
+    return torch.cat(out, dim=2)
+
+
+def allocate(sgl, quant: dict | None, dtype: torch.dtype) -> list:
+    stage = types.SimpleNamespace(
+        num_transformer_blocks=LAYERS, _kv_quant_args=None if quant is None else types.SimpleNamespace(**quant)
+    )
+    return sgl.Stage._allocate_causal_kv_cache(
+        stage, batch_size=1, kv_cache_size=WINDOW_FRAMES * TOKENS_PER_FRAME, num_attention_heads=HEADS,
+        attention_head_dim=HEAD_DIM, dtype=dtype, device="cpu", use_int_indices=True,
+        sink_tokens=SINK_FRAMES * TOKENS_PER_FRAME,
+    )  # fmt: skip
+
+
+def run_installed(sgl, model, dense, dtype, mode: str, quant: dict | None, tile: int | None) -> dict:
+    """One loop with pagedqvg installed (`mode`, `quant`; `tile`: attention tiles of that many tokens, so the
+    window spans several and their log-sum-exp merge runs): its error against `dense` and how many self-attention
+    calls attended from pages."""
+    from pagedqvg import attention
+    from pagedqvg.integrations import sglang as integ
+    from pagedqvg.integrations import sglang_attention
+
+    integ.install(budget_bytes=64 << 20, attention=mode)
+    caches = allocate(sgl, quant, dtype)
+    assert type(caches[0]).__module__ == integ.__name__, type(caches[0])
+    calls = {"pages": 0}
+    original, tile_before = sglang_attention.PendingPages.attend, attention.ATTN_TILE_TOKENS
+
+    def counted(self, query, scale):
+        calls["pages"] += 1
+        return original(self, query, scale)
+
+    sglang_attention.PendingPages.attend = counted
+    attention.ATTN_TILE_TOKENS = tile or tile_before
+    try:
+        got = run_loop(sgl, model, caches, dtype)
+    finally:
+        sglang_attention.PendingPages.attend = original
+        attention.ATTN_TILE_TOKENS = tile_before
+        integ.uninstall()
+    return {"relative_l2": float((got - dense).norm() / dense.norm()), "attend_from_pages_calls": calls["pages"]}
+
+
+def run_fp32_attention(sgl, model, dense, dtype) -> dict:
+    """The noise floor of bf16 here: SGLang's dense cache, its self-attention computed in fp32 (SDPA on upcast
+    q / k / v, cast back): its error against `dense` (no pagedqvg)."""
+    from sglang.multimodal_gen.runtime.layers.attention import layer
+
+    original = layer.LocalAttention.forward
+
+    def fp32(self, q, k, v, attn_mask=None):
+        if attn_mask is not None:
+            return original(self, q, k, v, attn_mask)
+        q32, k32, v32 = (t.float().transpose(1, 2) for t in (q, k, v))
+        out = torch.nn.functional.scaled_dot_product_attention(q32, k32, v32, scale=self.softmax_scale)
+        return out.transpose(1, 2).to(q.dtype)
+
+    layer.LocalAttention.forward = fp32
+    try:
+        got = run_loop(sgl, model, allocate(sgl, None, dtype), dtype)
+    finally:
+        layer.LocalAttention.forward = original
+    return {"relative_l2": float((got - dense).norm() / dense.norm()), "attend_from_pages_calls": 0}
+
+
+def main(src: str) -> dict:
+    sgl = _sglang(src)
+    results: dict = {}
+    for dtype in (torch.bfloat16, torch.float32):
+        out = results[str(dtype).removeprefix("torch.")] = {}
+        with torch.no_grad(), sgl.runtime(dtype):
+            model = build_model(sgl, dtype)
+            dense = run_loop(sgl, model, allocate(sgl, None, dtype), dtype)  # SGLang's own cache (not installed)
+            runs = [("view", "off", None, None), ("view", "int2", INT2, None), ("pages", "off", None, None),
+                    ("pages", "int2", INT2, None), ("pages", "off-tile16", None, 16)]  # fmt: skip
+            for mode, name, quant, tile in runs:
+                out[f"{mode}-{name}"] = run_installed(sgl, model, dense, dtype, mode, quant, tile)
+            if dtype != torch.float32:
+                out["dense-fp32-attention"] = run_fp32_attention(sgl, model, dense, dtype)
+    return results
+
+
+if __name__ == "__main__":
+    print(json.dumps(main(sys.argv[1])))
