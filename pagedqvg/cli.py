@@ -42,7 +42,7 @@ from .presets import (
     shape_text,
 )
 from .quant.config import SGLANG_KEYS, QuantConfig
-from .tiers import tier_summary, tier_used_bytes
+from .tiers import dense_label, tier_summary, tier_used_bytes
 from .validation import DTYPES_BY_NAME, PAGE_ALIGN_BYTES, check_int
 
 PLAN_SCHEMA = "pagedqvg.plan/2"
@@ -657,7 +657,7 @@ def _tier_doc(g: Geometry) -> dict[str, object]:
     """Formats by age of one setting: each role's format and steady-state bytes (rows, codebooks included, no page
     rounding) per layer and for all caches (`pagedqvg.tiers`)."""
     per = tier_used_bytes(g)
-    formats = {role: ("bf16" if role == "current" else g.quant.tier_format(role)) for role in per}
+    formats = {role: dense_label(g, "bf16" if role == "current" else g.quant.tier_format(role)) for role in per}
     return {"formats": formats, "bytes_per_layer": per, "bytes_all_layers": {r: b * g.caches for r, b in per.items()},
             "summary": tier_summary(g)}  # fmt: skip
 

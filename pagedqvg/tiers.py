@@ -20,6 +20,7 @@ from typing import TYPE_CHECKING
 from .layout import PackedSegmentLayout
 from .quant import PackedFormat
 from .quant.fp8 import Fp8Format
+from .validation import DTYPES_BY_NAME
 
 if TYPE_CHECKING:
     from .planner import Geometry
@@ -73,6 +74,14 @@ def tier_used_bytes(geom: Geometry) -> dict[str, int]:
     return out
 
 
+def dense_label(geom: Geometry, fmt: str) -> str:
+    """`fmt` as tables show it: the dense format ("bf16" in the tier configuration) is named by the cache dtype
+    (bf16, fp16 or fp32); packed formats by their own names."""
+    if fmt != "bf16":
+        return fmt
+    return next((name for name, dt in DTYPES_BY_NAME.items() if dt == geom.dtype), str(geom.dtype))
+
+
 def tier_summary(geom: Geometry) -> str:
     """One line: each role's format, segment count and bytes for all caches, e.g. 'sink int4 x1 1.03 GiB, ...'."""
     counts: dict[str, list[str]] = {}
@@ -83,7 +92,7 @@ def tier_summary(geom: Geometry) -> str:
     for role in ROLES:
         if role in counts:
             fmts = sorted(set(counts[role]), key=counts[role].index)
-            label = "+".join(f"{f} x{counts[role].count(f)}" for f in fmts)
+            label = "+".join(f"{dense_label(geom, f)} x{counts[role].count(f)}" for f in fmts)
             parts.append(f"{role} {label} {total[role] * geom.caches / 2**30:.2f} GiB")
     return ", ".join(parts) + f"; total {sum(total.values()) * geom.caches / 2**30:.2f} GiB"
 
