@@ -16,6 +16,7 @@ from pagedqvg import errors as E
 #: error -> the builtin it also is (what code written against SGLang's cache or plain Python catches)
 BUILTIN = {
     E.PoolExhaustedError: MemoryError,
+    E.SessionRefusedError: MemoryError,  # a PoolExhaustedError: SessionManager refused a session
     E.PageOwnershipError: ValueError,
     E.PoolInvariantError: AssertionError,
     E.SequencingError: NotImplementedError,
