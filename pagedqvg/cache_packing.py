@@ -68,6 +68,8 @@ class ChunkPacker:
         self.quant = quant
         self.pack_under_pressure = bool(pack_under_pressure)
         self.skipped = 0
+        #: packs the policy put off because the pool had no room for the packed rows (a full shared pool)
+        self.deferred_for_room = 0
 
     # ------------------------------------------------------------ memory pressure
     def fit(self, plan: CallPlan[Segment], unpack: list[RangeEntry[Segment]], name: str) -> list[Packing]:
@@ -163,6 +165,7 @@ class ChunkPacker:
         store = self.store
         assert store is not None and not entry.value.packed
         if self.net_pages(entry) + self.pool.num_free_pages < 0:
+            self.deferred_for_room += 1  # the policy retries at the next advance
             return False
         try:
             quantized = store.quantize(self.io.read_dense(entry))

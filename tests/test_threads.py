@@ -128,7 +128,12 @@ def run_program(pool: BlockPool, ops: list[tuple], seed: int, quant: bool, label
             out.append(None)
             continue
         try:
-            out.append(run_call(caches[op[1]], op, seed * 100_003 + i))
+            res = run_call(caches[op[1]], op, seed * 100_003 + i)
+            if len(res) == 4 and caches[op[1]]._packer.deferred_for_room:
+                # A pack the policy put off because the (shared) pool had no room leaves that chunk bf16 where the
+                # other run packed it: from then on this cache's view values are not comparable (indices are).
+                res = ("ok", None, None, res[3])
+            out.append(res)
         except Exception as exc:  # compared by type with the other run
             out.append(("err", type(exc).__name__))
     if seed % 2:
@@ -143,6 +148,8 @@ def same_outcome(a: tuple, b: tuple) -> bool:
         return False
     if a[0] == "err" or len(a) == 1:
         return a == b
+    if a[1] is None or b[1] is None:  # packing was put off for lack of room in one run (see run_program)
+        return a[3] == b[3]
     return torch.equal(a[1], b[1]) and torch.equal(a[2], b[2]) and a[3] == b[3]
 
 
@@ -167,6 +174,10 @@ def one_round(quant: bool, round_seed: int) -> None:
 
     def work(t: int) -> None:
         try:
+            # One intra-op thread in this thread too: OpenMP's thread count is per OS thread, so the fixture's
+            # set_num_threads(1) in the main thread does not reach a new thread (measured: 2 of 20 quant-on rounds
+            # differed from the run alone in a float reduction of PRQ's k-means; 0 of 20 with OMP_NUM_THREADS=1).
+            torch.set_num_threads(1)
             start.wait()
             results[t] = run_program(pool, programs[t], seeds[t], quant, f"t{t}", None)
         except BaseException as exc:  # surfaced by the main thread
@@ -193,7 +204,11 @@ def one_round(quant: bool, round_seed: int) -> None:
             assert same_outcome(a, b), f"thread {t} call {i} {programs[t][i]}: {a[:1]}{a[-1:]} vs alone {b[:1]}{b[-1:]}"
         COUNTS["calls"] += len(got)
         COUNTS["refused (pool exhausted)"] += len(refused)
-        COUNTS["views compared"] += sum(1 for i, o in enumerate(got) if i not in refused and len(o) == 4)
+        compared = [i for i, o in enumerate(got) if i not in refused and len(o) == 4]
+        COUNTS["views compared"] += sum(1 for i in compared if got[i][1] is not None and want[i][1] is not None)
+        COUNTS["views not compared (a pack put off by a full pool)"] += sum(
+            1 for i in compared if got[i][1] is None or want[i][1] is None
+        )
         errors_kept = sum(1 for i, o in enumerate(got) if i not in refused and o[0] == "err")
         COUNTS["other errors (same in both runs)"] += errors_kept
     gc.collect()
