@@ -218,9 +218,8 @@ def one_round(quant: bool, round_seed: int) -> None:
 
 @pytest.fixture
 def fast_switching():
-    """Switch threads every microsecond. One intra-op thread: with several, a float reduction (PRQ's k-means) may
-    split its work differently when Python threads run torch ops at once, and its last bits differ from the run
-    alone (seen once in ~10 runs of the quant-on round); that is torch's scheduling, not the cache's."""
+    """Switch threads every microsecond, with one intra-op thread (the runs alone and threaded use the same kernels;
+    the quant-on flake once blamed on torch's scheduling was a pack put off by the full shared pool: run_program)."""
     old, threads = sys.getswitchinterval(), torch.get_num_threads()
     sys.setswitchinterval(1e-6)
     torch.set_num_threads(1)
