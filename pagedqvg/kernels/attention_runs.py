@@ -11,6 +11,7 @@ from __future__ import annotations
 import torch
 
 from ..quant import PackedFormat
+from .ops import AttendArgs, op_entry
 from .view_build import view_build_torch
 from .view_runs import view_runs_torch
 
@@ -37,19 +38,11 @@ def expand_rows(
     return out
 
 
-def attend_runs_torch(
-    query: torch.Tensor,
-    rows: torch.Tensor,
-    plan_index: tuple[torch.Tensor, torch.Tensor] | None,
-    runs: torch.Tensor | None,
-    packed: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None,
-    fmt: PackedFormat | None,
-    head_start: int,
-    n_keys: int,
-    scale: float,
-) -> torch.Tensor:
+@op_entry(AttendArgs)
+def attend_runs_torch(a: AttendArgs) -> torch.Tensor:
     """Attention `[B, Tq, hin, D]` in the query dtype over the plan's rows (heads `[head_start, head_start + hin)`
-    of `rows`), softmax and products in fp64. Arguments as `triton_attention.attend_launch`."""
+    of `rows`), softmax and products in fp64. Arguments: `ops.AttendArgs`."""
+    query, rows, plan_index, runs, packed, fmt, head_start, n_keys, scale = a
     B, _, hin, _ = query.shape
     kv = expand_rows(rows, plan_index, runs, packed, fmt, head_start, hin, B, n_keys).double()
     q = query.double().transpose(1, 2)  # [B, hin, Tq, D]

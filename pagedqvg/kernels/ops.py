@@ -1,6 +1,7 @@
 """Each kernel op's parameter list, written once: one immutable record (a `typing.NamedTuple`) per op.
 
-An op (page_write, page_fill, view_build, view_runs, packed_dequant, kmeans_assign, kmeans_update, residual_pack)
+An op (page_write, page_fill, view_build, view_runs, packed_dequant, kmeans_assign, kmeans_update, residual_pack,
+attend)
 has four entry points: its argument check, its torch reference, its Triton launch (and the `*_triton` that runs it)
 and the dispatcher (kernels/dispatch.py). Each of them is written as `body(a: <Op>Args, ...extras)` and wrapped by
 `op_entry`, which also accepts the op's fields positionally or by keyword (the historical call signatures, used by
@@ -139,3 +140,18 @@ class ResidualPackArgs(NamedTuple):
     page_idx: torch.Tensor  #: int64 `[S]`: destination page of each token
     slot_idx: torch.Tensor  #: int64 `[S]`: destination slot of each token
     fmt: PackedFormat  #: the per-head record format; `fmt.num_heads` = G
+
+
+class AttendArgs(NamedTuple):
+    """attention over a view plan straight from pages: `softmax(query·kᵀ·scale)·v` over the plan's `n_keys` rows
+    (kernels/attention_runs.py reference, kernels/triton_attention.py launch)."""
+
+    query: torch.Tensor  #: `[B, Tq, hin, D]`, cache dtype
+    rows: torch.Tensor  #: token rows `[num_pages, rows_per_page, H, D]`, cache dtype
+    plan_index: tuple[torch.Tensor, torch.Tensor] | None  #: `(page_idx, slot_idx)` `[2, B, T]` of a dense view
+    runs: torch.Tensor | None  #: else the run table, int64 `[P, 6]`
+    packed: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None  #: `(token pages, codebook rows, cb_pages)`
+    fmt: PackedFormat | None  #: the packed format (None without packed rows)
+    head_start: int  #: first head of `rows` attended (heads)
+    n_keys: int  #: rows of the view (tokens), never-written rows included
+    scale: float  #: softmax scale

@@ -34,7 +34,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ..quant import PackedFormat
+from .ops import AttendArgs, op_entry
 from .triton_common import NUM_WARPS, cdiv, is_interpreted, launch_on_device, next_pow2
 from .triton_dequant import OUT_KIND, _f32_to_bf16_rtne, format_constants, kernel_codebooks, packed_tile
 from .triton_view_runs import _NO_FORMAT
@@ -208,25 +208,13 @@ def _attend_kernel(
     tl.store(out_ptr + ooff, _round(out, q), mask=qmask)
 
 
-def attend_launch(
-    query: torch.Tensor,
-    rows: torch.Tensor,
-    plan_index: tuple[torch.Tensor, torch.Tensor] | None,
-    runs: torch.Tensor | None,
-    packed: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None,
-    fmt: PackedFormat | None,
-    head_start: int,
-    n_keys: int,
-    scale: float,
-    out: torch.Tensor,
-    *,
-    block_m: int = BLOCK_M,
-    block_n: int | None = None,
-):
+@op_entry(AttendArgs)
+def attend_launch(a: AttendArgs, out: torch.Tensor, *, block_m: int = BLOCK_M, block_n: int | None = None):
     """`(kernel, grid, args, kwargs)` of one attention launch (see the module docstring), or None for no queries.
 
     `plan_index`: `(page_idx, slot_idx)` `[2, B, T]` of a dense view, else `runs` (int64 `[P, 6]`) with `packed =
     (token pages, codebook rows, cb_pages)` and `fmt` when the cache quantizes. `query`, `out` `[B, Tq, hin, D]`."""
+    query, rows, plan_index, runs, packed, fmt, head_start, n_keys, scale = a
     B, Tq, hin, D = query.shape
     if Tq == 0 or hin == 0:
         return None
@@ -269,7 +257,8 @@ def attend_launch(
     return _attend_kernel, grid, args, kwargs
 
 
-def attend_triton(query, rows, plan_index, runs, packed, fmt, head_start, n_keys, scale, out, **blocks) -> None:
-    """`attend_runs_torch` in one Triton launch (arguments: `attend_launch`); writes `out` `[B, Tq, hin, D]`."""
-    launch_on_device("attention", attend_launch(query, rows, plan_index, runs, packed, fmt, head_start, n_keys,
-                                                scale, out, **blocks))  # fmt: skip
+@op_entry(AttendArgs)
+def attend_triton(a: AttendArgs, out: torch.Tensor, **blocks) -> None:
+    """`attend_runs_torch` in one Triton launch (arguments: `ops.AttendArgs`, then `out` `[B, Tq, hin, D]`, which it
+    writes)."""
+    launch_on_device("attention", attend_launch(a, out, **blocks))
