@@ -34,6 +34,7 @@ import torch
 from .allocator import BlockPool
 from .errors import CacheConfigError, SessionRefusedError
 from .quant import QuantConfig
+from .validation import check_int
 
 __all__ = ["Session", "SessionManager", "SessionSpec", "planned_session_pages"]
 
@@ -88,13 +89,14 @@ def _geometry(spec: SessionSpec, page_bytes: int):
     """The planner's `Geometry` of one layer of `spec` on pages of `page_bytes` bytes; CacheConfigError if invalid."""
     from .planner import Geometry
 
+    wording = "{name} must be an int >= 1, got {value!r}"
     for name in ("layers", "cache_sets", "chunk_tokens", "denoise_steps"):
-        value = getattr(spec, name)
-        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-            raise CacheConfigError(f"SessionSpec.{name} must be an int >= 1, got {value!r}")
-    chunks = spec.chunks
-    if chunks is not None and (isinstance(chunks, bool) or not isinstance(chunks, int) or chunks < 1):
-        raise CacheConfigError(f"SessionSpec.chunks must be None or an int >= 1, got {spec.chunks!r}")
+        check_int(f"SessionSpec.{name}", getattr(spec, name), minimum=1, error=CacheConfigError,
+                  message=wording, type_message=wording)  # fmt: skip
+    if spec.chunks is not None:
+        wording = "{name} must be None or an int >= 1, got {value!r}"
+        check_int("SessionSpec.chunks", spec.chunks, minimum=1, error=CacheConfigError,
+                  message=wording, type_message=wording)  # fmt: skip
     if "allow_growth" in dict(spec.cache_kwargs):
         raise CacheConfigError("SessionSpec.cache_kwargs: allow_growth has no planned peak; sessions need a fixed size")
     try:
