@@ -58,5 +58,8 @@ echo "sglang_suite: documented difference confirmed ($documented fails on 'asser
 cd "$repo"
 PAGEDQVG_SGLANG_SRC="$work/src" "$PYTHON" -m pytest -q -p no:cacheprovider tests/test_integrations_sglang_pages.py \
   -k real_longlive2
+# The rollout benchmark's core at tiny size on the same stage (6 chunks, scene cuts and pins; quant off bit for bit
+# SGLang's dense cache, int4 below int2 at every chunk): about a minute, most of it SGLang's imports.
+PAGEDQVG_SGLANG_SRC="$work/src" "$PYTHON" -m pytest -q -p no:cacheprovider tests/test_bench_sglang_rollout.py
 cd "$work/src"
 echo "sglang_suite: done in $(( $(date +%s) - start )) s"
