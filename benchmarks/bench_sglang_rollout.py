@@ -216,23 +216,63 @@ def _row(label: str, run: dict) -> str:
 
 
 def plot(result: dict, path: str) -> None:
-    import matplotlib
+    """Error per chunk, one line per setting that has errors (log scale), scene cuts dotted. matplotlib probes the
+    IPython module, which is one of SGLang's placeholders after a run here: it is hidden while plotting."""
+    placeholder = sys.modules.pop("IPython", None)
+    try:
+        _plot(result, path)
+    finally:
+        if placeholder is not None:
+            sys.modules["IPython"] = placeholder
 
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+
+def _plot(result: dict, path: str) -> None:
+    import matplotlib
+    from matplotlib.backends.backend_agg import FigureCanvasAgg
+    from matplotlib.figure import Figure
 
     loop = result["loop"]
-    fig, ax = plt.subplots(figsize=(8, 4.5))
-    for label, run in result["runs"].items():
-        if "errors" in run and max(run["errors"]) > 0:
-            ax.plot(range(len(run["errors"])), run["errors"], marker=".", label=label)
+    fig = Figure(figsize=(10, 4.2))
+    FigureCanvasAgg(fig)
+    ax = fig.add_subplot()
+    curves = {k: r["errors"] for k, r in result["runs"].items() if "errors" in r and max(r["errors"]) > 0}
+    colors = [matplotlib.colormaps["tab20"](i % 20) for i in range(len(curves))]
+    for (label, ys), color in zip(curves.items(), colors, strict=True):
+        style = "-" if label.startswith(("reference", "compact")) else "--"
+        ax.plot(range(1, len(ys)), ys[1:], style, marker=".", ms=3, lw=1, color=color, label=label)
     for c in range(loop["cut_every"], loop["chunks"], loop["cut_every"]) if loop["cut_every"] else []:
         ax.axvline(c, color="grey", lw=0.5, ls=":")
-    title = f"SGLang 0.5.23 LongLive2 stage (tiny random weights, {loop['dtype']}); dotted: scene cuts"
-    ax.set(xlabel="chunk", ylabel="final latents rel. L2 error vs SGLang's dense cache", yscale="log", title=title)
-    ax.legend(fontsize=7)
+    title = f"SGLang 0.5.23 LongLive2 stage, tiny random weights, {loop['dtype']} (chunk 0: 0 for all; dotted: cuts)"
+    ax.set(xlabel="chunk", ylabel="final latents rel. L2 error\nvs SGLang's dense cache", yscale="log", title=title)
+    ax.legend(fontsize=7, loc="upper left", bbox_to_anchor=(1.01, 1.0))
     fig.tight_layout()
-    fig.savefig(path, dpi=80)
+    fig.savefig(path, dpi=72)
+
+
+def pareto(result: dict, tiers: dict, target_gib: float = 7.6) -> str:
+    """Markdown: per setting, bench_tiers.py's whole-cache GiB at LingBot-World's 18-frame window (40 layers) and
+    attention-output error (aged), this rollout's max / mean error and the chunks at or below reference int2's, and
+    whether issue 23's target holds (<= `target_gib`, attention error <= int2's, rollout <= int2's at every chunk)."""
+    by_label = {s["setting"]: s for s in tiers["settings"]}
+    runs = result["runs"]
+    base_attn = by_label["reference int2"]["attn_err_aged"]
+    base = runs.get("reference int2", {}).get("errors")
+    head = "| setting | GiB (40 layers) | vs dense | attn err (a) | rollout max (b) | rollout mean (b) | <= int2 |"
+    lines = [head + " target |", "|---|---:|---:|---:|---:|---:|---:|---|"]
+    for label, t in by_label.items():
+        run = runs.get(label, {})
+        gib, attn = t["gib"]["total"], t["attn_err_aged"]
+        if "errors" not in run or base is None:
+            lines.append(f"| {label} | {gib:.2f} | {t['gib']['dense_ratio']:.2f}x | {attn:.4f} | - | - | - | - |")
+            continue
+        e = run["errors"]
+        below = sum(a <= b for a, b in zip(e, base, strict=True))
+        ok = gib <= target_gib and attn <= base_attn and below == len(e)
+        lines.append(
+            f"| {label} | {gib:.2f} | {t['gib']['dense_ratio']:.2f}x | {attn:.4f} | {max(e):.2e} | "
+            f"{sum(e) / len(e):.2e} | {below} of {len(e)} | {'**holds**' if ok else 'no'} |"
+        )
+    return "\n".join(lines)
 
 
 def main() -> None:
@@ -246,15 +286,30 @@ def main() -> None:
     ap.add_argument("--settings", nargs="*", help="labels of bench_tiers.py's settings (default: all)")
     ap.add_argument("--json")
     ap.add_argument("--plot")
+    ap.add_argument("--replot", metavar="JSON", help="no run: plot (--plot) / tabulate (--pareto) a JSON it wrote")
+    ap.add_argument("--pareto", metavar="TIERS_JSON", help="print the Pareto table with bench_tiers.py's JSON")
     args = ap.parse_args()
+    if args.replot:
+        with open(args.replot) as fh:
+            result = json.load(fh)
+    else:
+        result = run_from_args(args)
+    if args.plot:
+        plot(result, args.plot)
+    if args.pareto:
+        with open(args.pareto) as fh:
+            print(pareto(result, json.load(fh)))
+
+
+def run_from_args(args: argparse.Namespace) -> dict:
+    """The benchmark's run for the command line (written to --json when given)."""
     loop = Loop(args.chunks, args.cut_every, getattr(torch, args.dtype), args.seed)
     result = measure(args.sglang_src, loop, settings(args.centroids, args.settings))
     result["centroids"] = args.centroids
     if args.json:
         with open(args.json, "w") as fh:
             json.dump(result, fh, indent=1)
-    if args.plot:
-        plot(result, args.plot)
+    return result
 
 
 if __name__ == "__main__":

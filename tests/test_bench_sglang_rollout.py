@@ -20,15 +20,18 @@ REPO = os.path.dirname(HERE)
 def test_rollout_with_scene_cuts_on_the_real_longlive2_stage(tmp_path):
     """Quant off through pagedqvg equals SGLang's dense cache bit for bit at every chunk, its pins (slot, length)
     after every chunk are the dense cache's, and the cuts pinned; int2 and int4 differ from it from the second chunk
-    on (the first attends only to itself, which stays dense), int4 less than int2 at every one of those chunks."""
+    on (the first attends only to itself, which stays dense), int4 less than int2 at every one of those chunks; the
+    plot is written (with SGLang's placeholder modules loaded)."""
     out = tmp_path / "rollout.json"
     proc = subprocess.run(
         [sys.executable, os.path.join(REPO, "benchmarks", "bench_sglang_rollout.py"), os.environ["PAGEDQVG_SGLANG_SRC"],
-         "--chunks", "6", "--cut-every", "2", "--settings", "reference int2", "reference int4", "--json", str(out)],
+         "--chunks", "6", "--cut-every", "2", "--settings", "reference int2", "reference int4", "--json", str(out),
+         "--plot", str(tmp_path / "rollout.png")],
         env={**os.environ, "PYTHONPATH": os.pathsep.join([REPO, *sys.path])}, capture_output=True, text=True,
         timeout=900,
     )  # fmt: skip
     assert proc.returncode == 0, proc.stderr[-4000:]
+    assert (tmp_path / "rollout.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     runs = json.loads(out.read_text())["runs"]
     dense_pins = runs["SGLang dense cache"]["pins"]
     assert [p[0] for p in dense_pins] == list(range(6)) and {p[0] for p in dense_pins if p[1] >= 0} == {2, 3, 4, 5}
