@@ -108,6 +108,43 @@ def test_split_scratch_bytes():
     assert asp.split_scratch_bytes(3, 1, 64, 8, 64, torch.float32) == 3 * 64 * 8 * 66 * 8
 
 
+def test_planner_pages_budget_counts_the_triton_path():
+    """`plan --attention pages` budgets the larger of the CPU path's scratch and the Triton path's bytes per call
+    (output + the picked split's partials): at LingBot-World's full chunk the CPU path's (the Triton path does not
+    split), at the mini presets' short chunks the Triton path's at long windows (it splits); for any shape the
+    Triton path stays within the output plus `MAX_SPLIT_PROGRAMS` partial tiles, whatever the window."""
+    import dataclasses
+
+    from pagedqvg.attention_budget import ATTN_TILE_TOKENS, attention_scratch_bytes, packed_decode_bytes
+    from pagedqvg.planner import Geometry
+    from pagedqvg.presets import PRESETS
+
+    triton_larger = set()
+    for name, w in PRESETS.items():
+        g = dataclasses.replace(Geometry.from_workload(w), attention="pages")
+        args = (g.batch_size, g.chunk_tokens, g.heads, g.head_dim, g.dtype)
+        fmt = g.packed_format()
+        scratch = attention_scratch_bytes(*args)  # the CPU path's (window-independent)
+        if fmt is not None:
+            scratch += packed_decode_bytes(g.batch_size, g.heads, g.head_dim, ATTN_TILE_TOKENS, fmt)
+        for frames in (18, 96):
+            keys = (w.sink_frames + frames) * w.tokens_per_frame
+            triton = asp.triton_attend_bytes(*args, keys, packed=fmt is not None)
+            assert g.transient_bytes(keys) == max(scratch, triton), (name, frames)
+            if triton > scratch:
+                triton_larger.add(name)
+    assert "lingbot-world" not in triton_larger and "lingbot-world-mini" in triton_larger, triton_larger
+    split_seen = False
+    for tq in (1, 64, 256, 4680):
+        for heads in (1, 8, 40):
+            for keys in (100, 32760, 154440, 10**6):
+                got = asp.triton_attend_bytes(1, tq, heads, 128, torch.bfloat16, keys, packed=False)
+                out = tq * heads * 128 * 2
+                assert got <= out + asp.MAX_SPLIT_PROGRAMS * asp.KERNEL_BLOCK_M * 130 * 4
+                split_seen |= got > out
+    assert split_seen
+
+
 def test_forced_splits_setter(monkeypatch):
     monkeypatch.setattr(asp, "_forced", [None])
     asp.set_forced_splits(4)
@@ -191,6 +228,14 @@ def test_split_kernel_zero_runs_and_row_index():
         attend_triton(a, out, splits=s, block_n=16)
         check_bound(out, view, q)
         check_partial_counts(a, s, 16)
+
+
+@needs_kernels
+def test_kernel_blocks_mirrored():
+    from pagedqvg.kernels import triton_attention as ta
+
+    assert (ta.BLOCK_M, ta.BLOCK_N, ta.BLOCK_N_PACKED) == (asp.KERNEL_BLOCK_M, asp.KERNEL_BLOCK_N,
+                                                          asp.KERNEL_BLOCK_N_PACKED)  # fmt: skip
 
 
 @needs_kernels

@@ -24,6 +24,8 @@ MAX_SPLIT_PROGRAMS`, taken only when it models at most `SPLIT_GAIN` of one launc
 constants are a model, **not measured on a GPU yet** (benchmarks/attention_cuda_section.py times every `S`). At
 LingBot-World's full 4,680-token chunk (74 query blocks x 40 or 20 heads: 11-22 waves on 132 SMs) it picks 1; it
 splits when a call has few query rows (a short chunk, a sub-chunk, decoding).
+The heuristic, its constants and the byte counts live in attention_budget.py (kernel-free: the planner counts
+them) and are re-exported here.
 """
 
 from __future__ import annotations
@@ -33,24 +35,25 @@ from functools import cache
 
 import torch
 
+from ..attention_budget import (  # the kernel-free sizing half (the planner counts it); re-exported here
+    DEFAULT_SM_COUNT,
+    KERNEL_BLOCK_M,
+    KERNEL_BLOCK_N,
+    KERNEL_BLOCK_N_PACKED,
+    MAX_SPLIT_PROGRAMS,
+    MAX_SPLITS,
+    MIN_SPLIT_KEYS,
+    PROGRAM_OVERHEAD_BLOCKS,
+    PROGRAMS_PER_SM,
+    SPLIT_GAIN,
+    choose_splits,
+    split_cost,
+    split_keys,
+    split_scratch_bytes,
+    triton_attend_bytes,
+)
 from .attention_runs import expand_rows
 from .ops import AttendArgs, op_entry
-from .triton_common import cdiv
-
-#: Multiprocessors assumed when the tensors are not on CUDA (the interpreter; H100/H200 SXM have 132).
-DEFAULT_SM_COUNT = 132
-#: Attention programs resident per multiprocessor (8 warps and up to 255 registers per thread: one per SM).
-PROGRAMS_PER_SM = 1
-#: Most key ranges of one call.
-MAX_SPLITS = 32
-#: Fewest keys per range (tokens): a range shorter than this does not pay for its partial's write and read.
-MIN_SPLIT_KEYS = 512
-#: Key-block iterations a program costs besides its key blocks (query load, partial store, run-table search).
-PROGRAM_OVERHEAD_BLOCKS = 2
-#: A split is taken only when its modelled cost is at most this fraction of one launch's.
-SPLIT_GAIN = 0.9
-#: Most programs of a split partials launch (bounds its scratch: at most this many `BLOCK_M x (D + 2)` partials).
-MAX_SPLIT_PROGRAMS = 8 * DEFAULT_SM_COUNT
 
 
 def _env_splits() -> int | None:
@@ -90,47 +93,6 @@ def sm_count(device: torch.device) -> int:
     return _cuda_sm_count(device.index if device.index is not None else torch.cuda.current_device())
 
 
-def split_cost(programs: int, n_keys: int, splits: int, slots: int, block_n: int) -> int:
-    """Modelled cost of `splits` key ranges (key-block iterations on the busiest multiprocessor; module docstring)."""
-    waves = cdiv(programs * splits, slots)
-    blocks = cdiv(cdiv(n_keys, splits), block_n) + PROGRAM_OVERHEAD_BLOCKS
-    merge = cdiv(programs, slots) * (splits + 1) if splits > 1 else 0
-    return waves * blocks + merge
-
-
-def choose_splits(q_blocks: int, heads: int, n_keys: int, sms: int, block_n: int) -> int:
-    """Key ranges for a call of `q_blocks` query blocks x `heads` (batch x heads) programs over `n_keys` keys on
-    `sms` multiprocessors with key blocks of `block_n` rows (module docstring). O(MAX_SPLITS)."""
-    programs, slots = q_blocks * heads, max(1, sms * PROGRAMS_PER_SM)
-    limit = min(MAX_SPLITS, n_keys // MIN_SPLIT_KEYS, MAX_SPLIT_PROGRAMS // max(1, programs))
-    one = split_cost(programs, n_keys, 1, slots, block_n)
-    best, best_cost = 1, one
-    for s in range(2, limit + 1):
-        c = split_cost(programs, n_keys, s, slots, block_n)
-        if c < best_cost:
-            best, best_cost = s, c
-    return best if best_cost <= SPLIT_GAIN * one else 1
-
-
-def split_keys(n_keys: int, splits: int) -> tuple[int, int]:
-    """`(keys per range, ranges)`: `c = ceil(n_keys / splits)` and the `ceil(n_keys / c)` non-empty ranges that
-    cover `[0, n_keys)` (at most `splits`; 1 range for no keys)."""
-    if splits < 1:
-        raise ValueError(f"splits={splits}: must be >= 1")
-    c = max(1, cdiv(n_keys, splits))
-    return c, max(1, cdiv(n_keys, c))
-
-
-def split_scratch_bytes(splits: int, batch: int, query_tokens: int, heads: int, head_dim: int,
-                        dtype: torch.dtype) -> int:  # fmt: skip
-    """Bytes of a split call's partials (module docstring): `S·B·Tq·hin·(D + 2)` accumulator elements (4 bytes;
-    8 for fp32 caches); 0 for `splits == 1` (one launch, no partials)."""
-    if splits <= 1:
-        return 0
-    acc = 8 if dtype == torch.float32 else 4
-    return splits * batch * query_tokens * heads * (head_dim + 2) * acc
-
-
 @op_entry(AttendArgs)
 def attend_partials_torch(a: AttendArgs, splits: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Reference partials of `splits` key ranges (`split_keys`): `acc` `[S, B, hin, Tq, D]`, `m` and `l`
@@ -150,6 +112,14 @@ def attend_partials_torch(a: AttendArgs, splits: int) -> tuple[torch.Tensor, tor
         ms.append(m)
         ls.append(p.sum(-1))
     return torch.stack(accs), torch.stack(ms), torch.stack(ls)
+
+
+__all__ = [
+    "DEFAULT_SM_COUNT", "KERNEL_BLOCK_M", "KERNEL_BLOCK_N", "KERNEL_BLOCK_N_PACKED", "MAX_SPLITS",
+    "MAX_SPLIT_PROGRAMS", "MIN_SPLIT_KEYS", "PROGRAMS_PER_SM", "PROGRAM_OVERHEAD_BLOCKS", "SPLIT_GAIN",
+    "attend_partials_torch", "attend_split_torch", "choose_splits", "forced_splits", "merge_partials_torch",
+    "set_forced_splits", "sm_count", "split_cost", "split_keys", "split_scratch_bytes", "triton_attend_bytes",
+]  # fmt: skip
 
 
 def merge_partials_torch(acc: torch.Tensor, m: torch.Tensor, l: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
