@@ -4,6 +4,8 @@
 
 from __future__ import annotations
 
+from functools import lru_cache
+
 import torch
 
 #: Key rows per tile (tokens of the view decoded at a time).
@@ -85,6 +87,7 @@ def split_cost(programs: int, n_keys: int, splits: int, slots: int, block_n: int
     return waves * blocks + merge
 
 
+@lru_cache(maxsize=4096)  # per call on the hot path: a dict hit instead of up to MAX_SPLITS cost evaluations
 def choose_splits(q_blocks: int, heads: int, n_keys: int, sms: int, block_n: int) -> int:
     """Key ranges for a call of `q_blocks` query blocks x `heads` (batch x heads) programs over `n_keys` keys on
     `sms` multiprocessors with key blocks of `block_n` rows (the model: kernels/attention_split.py). O(MAX_SPLITS)."""

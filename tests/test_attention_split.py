@@ -231,6 +231,21 @@ def test_split_kernel_zero_runs_and_row_index():
 
 
 @needs_kernels
+def test_split_grid_checked_before_launch():
+    """Both launches go through `launch_on_device`: a split axis past CUDA's 65,535 raises `GridLimitError` naming
+    the op before anything runs (meta tensors: nothing allocated, nothing launched)."""
+    from pagedqvg.kernels.triton_common import GridLimitError
+
+    meta = torch.device("meta")
+    q = torch.empty(1, 8, 2, 16, dtype=torch.bfloat16, device=meta)
+    rows = torch.empty(4, 64, 2, 16, dtype=torch.bfloat16, device=meta)
+    idx = torch.empty(2, 1, 70000, dtype=torch.int64, device=meta)
+    a = AttendArgs(q, rows, (idx, idx), None, None, None, 0, 70000, 0.25)
+    with pytest.raises(GridLimitError, match="attention split: grid axis z needs 70000 programs"):
+        tas.attend_split_triton(a, torch.empty_like(q), 70000)
+
+
+@needs_kernels
 def test_kernel_blocks_mirrored():
     from pagedqvg.kernels import triton_attention as ta
 
