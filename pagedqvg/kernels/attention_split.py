@@ -21,11 +21,12 @@ The modelled cost of `S` ranges, in key-block iterations on the busiest multipro
 `ceil(P·S / slots) x (ceil(ceil(T / S) / BLOCK_N) + PROGRAM_OVERHEAD_BLOCKS)` plus, for `S > 1`, the merge
 `ceil(P / slots) x (S + 1)`. `S` is the cheapest in `[1, min(MAX_SPLITS, T // MIN_SPLIT_KEYS)]` with `P·S <=
 MAX_SPLIT_PROGRAMS`, taken only when it models at most `SPLIT_GAIN` of one launch's cost; else 1 (one launch). The
-constants are a model, **not measured on a GPU yet** (benchmarks/attention_cuda_section.py times every `S`). At
+constants are a model, **not measured on a GPU yet** (benchmarks/attention_cuda_section.py times S = 1, 2, 4, 8
+and the pick). At
 LingBot-World's full 4,680-token chunk (74 query blocks x 40 or 20 heads: 11-22 waves on 132 SMs) it picks 1; it
-splits when a call has few query rows (a short chunk, a sub-chunk, decoding).
-The heuristic, its constants and the byte counts live in attention_budget.py (kernel-free: the planner counts
-them) and are re-exported here.
+splits when a call has few query rows (a short chunk, a sub-chunk, decoding). `set_forced_splits(S)` (or
+`PAGEDQVG_ATTN_SPLITS=S` at import) overrides it for every call. The heuristic, its constants and the byte counts
+live in attention_budget.py (kernel-free: the planner counts them) and are re-exported here.
 """
 
 from __future__ import annotations
