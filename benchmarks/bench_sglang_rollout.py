@@ -154,7 +154,8 @@ def _forward_of(sgl, model, caches: list, loop: Loop, chunk: int, batch, texts: 
 
 def run_setting(sgl, model, dense: list[torch.Tensor], loop: Loop, quant: QuantConfig | None) -> dict:
     """One rollout with pagedqvg installed (`quant`; None: quantization off): per-chunk relative L2 errors against
-    `dense`, seconds; {'refused': message} when the cache refuses the setting (CacheConfigError)."""
+    `dense`, seconds, the pins, the first layer's retained tokens per format at the end (`memory_breakdown`);
+    {'refused': message} when the cache refuses the setting (CacheConfigError)."""
     from pagedqvg.integrations import sglang as integ
 
     integ.install(budget_bytes=256 << 20)
@@ -169,7 +170,8 @@ def run_setting(sgl, model, dense: list[torch.Tensor], loop: Loop, quant: QuantC
     finally:
         integ.uninstall()
     errors = [float((a - b).norm() / b.norm()) for a, b in zip(got, dense, strict=True)]
-    return {"errors": errors, "seconds": round(time.perf_counter() - t0, 2), "pins": pins}
+    tokens = {k: v for k, v in caches[0].memory_breakdown().items() if k.endswith("_tokens")}  # per format at the end
+    return {"errors": errors, "seconds": round(time.perf_counter() - t0, 2), "pins": pins, "tokens_layer0": tokens}
 
 
 def measure(src: str, loop: Loop, chosen: list[tuple[str, QuantConfig]], log=print) -> dict:

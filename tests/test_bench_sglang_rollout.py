@@ -20,8 +20,9 @@ REPO = os.path.dirname(HERE)
 def test_rollout_with_scene_cuts_on_the_real_longlive2_stage(tmp_path):
     """Quant off through pagedqvg equals SGLang's dense cache bit for bit at every chunk, its pins (slot, length)
     after every chunk are the dense cache's, and the cuts pinned; int2 and int4 differ from it from the second chunk
-    on (the first attends only to itself, which stays dense), int4 less than int2 at every one of those chunks; the
-    plot is written (with SGLang's placeholder modules loaded)."""
+    on (the first attends only to itself, which stays dense), int4 less than int2 at every one of those chunks; int2
+    keeps two 128-token chunks dense at the end (current, recent); the plot is written (with SGLang's placeholder
+    modules loaded)."""
     out = tmp_path / "rollout.json"
     proc = subprocess.run(
         [sys.executable, os.path.join(REPO, "benchmarks", "bench_sglang_rollout.py"), os.environ["PAGEDQVG_SGLANG_SRC"],
@@ -42,3 +43,6 @@ def test_rollout_with_scene_cuts_on_the_real_longlive2_stage(tmp_path):
     int2, int4 = runs["reference int2"]["errors"], runs["reference int4"]["errors"]
     assert int2[0] == int4[0] == 0.0
     assert all(0 < b < a for a, b in zip(int2[1:], int4[1:], strict=True)), (int2, int4)
+    off, packed = runs["pagedqvg quant off"]["tokens_layer0"], runs["reference int2"]["tokens_layer0"]
+    assert off["packed_tokens"] == 0 and packed["dense_tokens"] == 2 * 128  # the current and the recent chunk
+    assert packed["dense_tokens"] + packed["packed_tokens"] == off["dense_tokens"]
