@@ -36,7 +36,14 @@ import triton.language as tl
 
 from .ops import AttendArgs, op_entry
 from .triton_common import NUM_WARPS, cdiv, is_interpreted, launch_on_device, next_pow2
-from .triton_dequant import OUT_KIND, _f32_to_bf16_rtne, format_constants, kernel_codebooks, packed_tile
+from .triton_dequant import (
+    OUT_KIND,
+    _f32_to_bf16_rtne,
+    _fp8e4m3_to_f32,
+    format_constants,
+    kernel_codebooks,
+    packed_tile,
+)
 from .triton_view_runs import _NO_FORMAT
 
 _RUNTIME = ["q_len", "n_keys", "n_runs", "batch", "num_heads", "head_start", "hin", "dense_tpp", "cb_rows_per_page"]
@@ -92,15 +99,29 @@ def _round(x, like):
 
 
 @triton.jit
+def _key_noise_bias(tok_ptr, row_off, b, hd, ts3, q, d, kmask, scale, PER_HEAD_BYTES: tl.constexpr,
+                    SCALES_OFFSET: tl.constexpr, BLOCK_SIZE: tl.constexpr, HEAD_DIM: tl.constexpr):  # fmt: skip
+    """`[M, N]` fp32 score bias `-scale²/2 · Σ_d q_d² · Δ_d²/12` of packed key rows (token byte offsets `row_off`
+    `[N]`) of (b, head `hd`): Δ_d the fp8 scale of channel d's block in the K record (key_noise.py)."""
+    rec = tok_ptr + row_off[:, None] + (b * ts3 + hd * PER_HEAD_BYTES + SCALES_OFFSET) + (d // BLOCK_SIZE)[None, :]
+    sc = _fp8e4m3_to_f32(tl.load(rec, mask=kmask[:, None] & (d < HEAD_DIM)[None, :], other=0))  # [N, D]
+    qf = q.to(tl.float32)
+    var = sc * sc / 12.0
+    return tl.dot(qf * qf, tl.trans(var), input_precision="ieee") * (-0.5 * scale * scale)
+
+
+@triton.jit
 def _softmax_step(
-    q, k, v, kmask, m_i, l_i, acc, scale, ACC_T: tl.constexpr, DOT_PREC: tl.constexpr, UPCAST: tl.constexpr
+    q, k, v, kmask, m_i, l_i, acc, scale, bias, ACC_T: tl.constexpr, DOT_PREC: tl.constexpr, UPCAST: tl.constexpr
 ):
-    """Fold one key block into the online softmax (`m`, `l`, `acc`). `UPCAST` (bf16 in the interpreter, whose
-    `tl.dot` misreads bf16): the same products from the same bf16 values, upcast exactly to fp32 first."""
+    """Fold one key block into the online softmax (`m`, `l`, `acc`); `bias`: added to the scores (0.0, or the
+    `[M, N]` key-noise bias). `UPCAST` (bf16 in the interpreter, whose `tl.dot` misreads bf16): the same products
+    from the same bf16 values, upcast exactly to fp32 first."""
     if UPCAST:
         s = tl.dot(q.to(tl.float32), tl.trans(k.to(tl.float32)), input_precision="ieee") * scale
     else:
         s = tl.dot(q, tl.trans(k), input_precision=DOT_PREC).to(ACC_T) * scale
+    s = s + bias
     s = tl.where(kmask[None, :], s, float("-inf"))
     m_new = tl.maximum(m_i, tl.max(s, 1))
     alpha = tl.exp(m_i - m_new)
@@ -133,7 +154,7 @@ def _attend_kernel(
     INDEXED: tl.constexpr, HAS_PACKED: tl.constexpr, ACC_T: tl.constexpr, DOT_PREC: tl.constexpr, UPCAST: tl.constexpr,
     CODE_KIND: tl.constexpr, ASYM: tl.constexpr, QMAX: tl.constexpr, BLOCK_SIZE: tl.constexpr,
     STAGES: tl.constexpr, PER_HEAD_BYTES: tl.constexpr, SCALES_OFFSET: tl.constexpr, ZEROS_OFFSET: tl.constexpr,
-    IDS_OFFSET: tl.constexpr, OUT_KIND: tl.constexpr, CB_FP8: tl.constexpr,
+    IDS_OFFSET: tl.constexpr, OUT_KIND: tl.constexpr, CB_FP8: tl.constexpr, KEY_NOISE: tl.constexpr = False,
 ):  # fmt: skip
     bh = tl.program_id(1)
     b = bh // hin
@@ -159,7 +180,7 @@ def _attend_kernel(
                              tl.load(so, mask=kmask, other=0), hd, d, kmask, HEAD_DIM)  # fmt: skip
             v = _dense_block(rows_ptr, rs0, rs1, rs2, tl.load(po + ps0, mask=kmask, other=0),
                              tl.load(so + ss0, mask=kmask, other=0), hd, d, kmask, HEAD_DIM)  # fmt: skip
-            m_i, l_i, acc = _softmax_step(q, k, v, kmask, m_i, l_i, acc, scale, ACC_T, DOT_PREC, UPCAST)
+            m_i, l_i, acc = _softmax_step(q, k, v, kmask, m_i, l_i, acc, scale, 0.0, ACC_T, DOT_PREC, UPCAST)
     else:
         for p in range(0, n_runs):
             run = runs_ptr + p * 6
@@ -178,6 +199,10 @@ def _attend_kernel(
                     r = r0 + n
                     kmask = r < count
                     slot = (first + r).to(tl.int64)
+                    if KEY_NOISE:  # one type on every branch (compiled Triton): a zero tile for dense rows
+                        bias = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
+                    else:
+                        bias = 0.0
                     if kind == 0:
                         pages = page + r * 0
                         k = _dense_block(rows_ptr, rs0, rs1, rs2, pages, slot * batch + b, hd, d, kmask, HEAD_DIM)
@@ -199,18 +224,25 @@ def _attend_kernel(
                                 CODE_KIND, ASYM, QMAX, BLOCK_SIZE, STAGES, PER_HEAD_BYTES, SCALES_OFFSET,
                                 ZEROS_OFFSET, IDS_OFFSET, OUT_KIND, CB_FP8, HEAD_DIM, BLOCK_N, BLOCK_D,
                             )  # fmt: skip
+                            if KEY_NOISE:
+                                bias = _key_noise_bias(tok_ptr, row_off, b, hd, ts3, q, d, kmask, scale,
+                                                       PER_HEAD_BYTES, SCALES_OFFSET, BLOCK_SIZE, HEAD_DIM)  # fmt: skip
                         else:
                             k = tl.zeros([BLOCK_N, BLOCK_D], q_ptr.dtype.element_ty)
                             v = tl.zeros([BLOCK_N, BLOCK_D], q_ptr.dtype.element_ty)
-                    m_i, l_i, acc = _softmax_step(q, k, v, kmask, m_i, l_i, acc, scale, ACC_T, DOT_PREC, UPCAST)
+                    m_i, l_i, acc = _softmax_step(q, k, v, kmask, m_i, l_i, acc, scale, bias, ACC_T, DOT_PREC,
+                                                  UPCAST)  # fmt: skip
     out = (acc / l_i[:, None]).to(tl.float32)
     ooff = b.to(tl.int64) * os0 + qm.to(tl.int64)[:, None] * os1 + h * os2 + d[None, :] * os3
     tl.store(out_ptr + ooff, _round(out, q), mask=qmask)
 
 
 @op_entry(AttendArgs)
-def attend_launch(a: AttendArgs, out: torch.Tensor, *, block_m: int = BLOCK_M, block_n: int | None = None):
+def attend_launch(
+    a: AttendArgs, out: torch.Tensor, *, block_m: int = BLOCK_M, block_n: int | None = None, key_noise: bool = False
+):
     """`(kernel, grid, args, kwargs)` of one attention launch (see the module docstring), or None for no queries.
+    `key_noise`: packed keys' scores get the key-noise bias (key_noise.py; the `KEY_NOISE` constexpr).
 
     `plan_index`: `(page_idx, slot_idx)` `[2, B, T]` of a dense view, else `runs` (int64 `[P, 6]`) with `packed =
     (token pages, codebook rows, cb_pages)` and `fmt` when the cache quantizes. `query`, `out` `[B, Tq, hin, D]`."""
@@ -252,13 +284,14 @@ def attend_launch(a: AttendArgs, out: torch.Tensor, *, block_m: int = BLOCK_M, b
     kwargs = dict(
         HEAD_DIM=D, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_D=block_d, INDEXED=plan_index is not None,
         HAS_PACKED=packed is not None, ACC_T=acc_t, DOT_PREC=dot_prec, UPCAST=upcast, **fmt_kw,
+        KEY_NOISE=bool(key_noise and packed is not None),
         num_warps=NUM_WARPS if is_interpreted(_attend_kernel) else 8 if block_d >= 128 else NUM_WARPS,
     )  # fmt: skip
     return _attend_kernel, grid, args, kwargs
 
 
 @op_entry(AttendArgs)
-def attend_triton(a: AttendArgs, out: torch.Tensor, **blocks) -> None:
+def attend_triton(a: AttendArgs, out: torch.Tensor, **blocks) -> None:  # blocks: also `key_noise`
     """`attend_runs_torch` in one Triton launch (arguments: `ops.AttendArgs`, then `out` `[B, Tq, hin, D]`, which it
     writes)."""
     launch_on_device("attention", attend_launch(a, out, **blocks))
