@@ -5,20 +5,28 @@ runs) is cut once per plan into *tiles* of at most `tile_tokens` key rows, each 
 or the packed rows of one segment); the zero rows (slots never written) are only counted. A call then, tile by tile:
 
 1. builds the tile's K/V `[2, B, t, Hin, D]` in the cache dtype into one reused tile buffer (the same `view_build` /
-   `view_runs` kernels as a view, so packed rows are decoded one tile at a time, exactly as the view holds them);
-2. attends the query to the tile (`tile_attention`: aten's CPU flash kernel, which returns the log-sum-exp with the
-   output and accumulates in fp32; elsewhere fp32 matmuls over query tiles of at most `query_tile` rows) and merges
-   the result into the running fp32 output by log-sum-exp (`LseMerge`).
+   `view_runs` kernels as a view, so packed rows are decoded one tile at a time, exactly as the view holds them),
+   and upcasts it exactly into a second reused fp32 buffer (16-bit caches);
+2. attends each query block of at most `query_tile` rows (upcast to fp32) to the tile (`tile_attention`: aten's CPU
+   flash kernel, which returns the log-sum-exp with the output; elsewhere fp32 matmuls), so tile outputs stay fp32,
+   and merges them into the running output by log-sum-exp (`LseMerge`: fp32, fp64 for fp32 caches).
+
+A window of a single tile without zero rows is one flash call in the cache dtype instead (on CPU): its output is the
+result, rounded once as SDPA over the view rounds it (same kernel, same rows: bit-equal). With several tiles the
+outputs are no longer rounded to the cache dtype before the merge (which measured 4.26e-3 relative L2 on SGLang's
+real LongLive2 stage in bf16 at 16-token tiles; see the README).
 
 Zero rows are keys of score 0 and value 0 (what SDPA over the materialized view sees): they enter as one key set of
-log-sum-exp `log(Z)` and output 0. The result is the merged output cast to the query dtype.
+log-sum-exp `log(Z)` and output 0. The result is the merged output cast to the query dtype. `key_noise=True` adds
+the packed keys' noise bias (key_noise.py) to their scores (the flash kernel's additive mask).
 
-Transient memory is independent of the window length (`attention_scratch_bytes`): the tile buffer, the fp32 merged
-output and log-sum-exp of the `Tq` query rows, one tile's output — plus, for packed tiles, the dequantization
-temporaries of `t` tokens (kernels/dequant.py: at most `DEQUANT_TILE_ELEMS` fp32 elements per step).
+Transient memory is independent of the window length (`attention_scratch_bytes`): the tile buffer and its fp32 copy,
+the merged output and log-sum-exp of the `Tq` query rows, one query block's fp32 copy and output, the result — plus,
+for packed tiles, the dequantization temporaries of `t` tokens (kernels/dequant.py: at most `DEQUANT_TILE_ELEMS` fp32
+elements per step; `packed_decode_bytes`) and with the correction `key_noise_bytes`.
 The tile table is cached in the `PageIO` plan cache (dropped with the plan by `invalidate`).
 
-Cost: O(Tq · T · Hin · D) flops like SDPA; K/V rows are read once per call (once per query tile from the fp32 tile).
+Cost: O(Tq · T · Hin · D) flops like SDPA; K/V rows are decoded once per call, the fp32 tile read once per query block.
 """
 
 from __future__ import annotations

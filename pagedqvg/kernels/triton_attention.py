@@ -23,6 +23,10 @@ rounding measured 1.6x, hence `_round`), fp32 caches one IEEE fp32 product into 
 Output `acc / l` cast to the query dtype. Nothing is allocated besides the output; no host work besides the launch
 (the plan's tensors exist already). Cost: O(Tq · T · D) flops per (b, head); K/V rows read once per query block.
 
+`KEY_NOISE` (constexpr, off by default): each packed key block's scores get the key-noise bias
+`-scale²/2 · Σ_d q_d² · Δ_d²/12` (key_noise.py), Δ_d the fp8 block scale of channel d read from the K record
+(`_key_noise_bias`: one extra `[M, D] x [D, N]` fp32 dot per packed key block; dense and zero keys unchanged).
+
 Compile-time constants: `HEAD_DIM`, the blocks, the plan kind, the PRQ format (per layer); the query length, the
 view length, the run count, the head slice and the scale are runtime arguments (one compile per layer shape).
 Not done: splitting a long window over programs with a merge launch (one program walks the whole window).
@@ -199,7 +203,7 @@ def _attend_kernel(
                     r = r0 + n
                     kmask = r < count
                     slot = (first + r).to(tl.int64)
-                    if KEY_NOISE:  # one type on every branch (compiled Triton): a zero tile for dense rows
+                    if KEY_NOISE:  # noqa: SIM108 (one type on every branch in compiled Triton: a zero tile for dense rows)
                         bias = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
                     else:
                         bias = 0.0
