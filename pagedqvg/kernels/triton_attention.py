@@ -57,6 +57,8 @@ BLOCK_M = 64
 BLOCK_N = 64
 #: Key rows per block when the cache has packed sources (the decode's registers; compact spilled at 64).
 BLOCK_N_PACKED = 32
+#: Key rows per block with the key-noise bias (`KEY_NOISE`: its scales and bias tile; spilled ~940 B/thread at 32).
+BLOCK_N_KEY_NOISE = 16
 
 
 @triton.jit
@@ -258,7 +260,7 @@ def attend_launch(
         raise ValueError(f"attention: rows need a last stride of 1 (got {rows.stride()}) and out the query's shape "
                          f"{tuple(query.shape)} (got {tuple(out.shape)})")  # fmt: skip
     if block_n is None:  # packed decode holds more registers: half the key block (no spills at sm_90, head_dim 128)
-        block_n = BLOCK_N if packed is None else BLOCK_N_PACKED
+        block_n = BLOCK_N if packed is None else BLOCK_N_KEY_NOISE if key_noise else BLOCK_N_PACKED
     block_d = max(16, next_pow2(D))
     acc_t = tl.float64 if query.dtype == torch.float32 else tl.float32
     dot_prec = "ieee" if query.dtype == torch.float32 else "tf32"
