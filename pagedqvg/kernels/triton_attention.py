@@ -29,7 +29,8 @@ Output `acc / l` cast to the query dtype. Nothing is allocated besides the outpu
 
 Compile-time constants: `HEAD_DIM`, the blocks, the plan kind, the PRQ format (per layer); the query length, the
 view length, the run count, the head slice and the scale are runtime arguments (one compile per layer shape).
-Not done: splitting a long window over programs with a merge launch (one program walks the whole window).
+`attend_triton` launches this kernel alone, or (for calls with few query blocks x heads over many keys) the
+split-KV pair of triton_attention_split.py (the keys cut into ranges, partials merged by a second launch).
 """
 
 from __future__ import annotations
@@ -118,6 +119,14 @@ def _key_noise_bias(tok_ptr, row_off, b, hd, ts3, q, d, kmask, scale, PER_HEAD_B
 
 @triton.jit
 def _softmax_step(
+    q, k, v, kmask, m_i, l_i, acc, scale, ACC_T: tl.constexpr, DOT_PREC: tl.constexpr, UPCAST: tl.constexpr
+):
+    """Fold one key block into the online softmax (`m`, `l`, `acc`); `_softmax_step_biased` without a bias."""
+    return _softmax_step_biased(q, k, v, kmask, m_i, l_i, acc, scale, 0.0, ACC_T, DOT_PREC, UPCAST)
+
+
+@triton.jit
+def _softmax_step_biased(
     q, k, v, kmask, m_i, l_i, acc, scale, bias, ACC_T: tl.constexpr, DOT_PREC: tl.constexpr, UPCAST: tl.constexpr
 ):
     """Fold one key block into the online softmax (`m`, `l`, `acc`); `bias`: added to the scores (0.0, or the
@@ -186,7 +195,7 @@ def _attend_kernel(
                              tl.load(so, mask=kmask, other=0), hd, d, kmask, HEAD_DIM)  # fmt: skip
             v = _dense_block(rows_ptr, rs0, rs1, rs2, tl.load(po + ps0, mask=kmask, other=0),
                              tl.load(so + ss0, mask=kmask, other=0), hd, d, kmask, HEAD_DIM)  # fmt: skip
-            m_i, l_i, acc = _softmax_step(q, k, v, kmask, m_i, l_i, acc, scale, 0.0, ACC_T, DOT_PREC, UPCAST)
+            m_i, l_i, acc = _softmax_step(q, k, v, kmask, m_i, l_i, acc, scale, ACC_T, DOT_PREC, UPCAST)
     else:
         for p in range(0, n_runs):
             run = runs_ptr + p * 6
@@ -236,8 +245,8 @@ def _attend_kernel(
                         else:
                             k = tl.zeros([BLOCK_N, BLOCK_D], q_ptr.dtype.element_ty)
                             v = tl.zeros([BLOCK_N, BLOCK_D], q_ptr.dtype.element_ty)
-                    m_i, l_i, acc = _softmax_step(q, k, v, kmask, m_i, l_i, acc, scale, bias, ACC_T, DOT_PREC,
-                                                  UPCAST)  # fmt: skip
+                    m_i, l_i, acc = _softmax_step_biased(q, k, v, kmask, m_i, l_i, acc, scale, bias, ACC_T,
+                                                         DOT_PREC, UPCAST)  # fmt: skip
     out = (acc / l_i[:, None]).to(tl.float32)
     ooff = b.to(tl.int64) * os0 + qm.to(tl.int64)[:, None] * os1 + h * os2 + d[None, :] * os3
     tl.store(out_ptr + ooff, _round(out, q), mask=qmask)
@@ -290,14 +299,28 @@ def attend_launch(
     kwargs = dict(
         HEAD_DIM=D, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_D=block_d, INDEXED=plan_index is not None,
         HAS_PACKED=packed is not None, ACC_T=acc_t, DOT_PREC=dot_prec, UPCAST=upcast, **fmt_kw,
-        KEY_NOISE=bool(key_noise and packed is not None),
+        **({"KEY_NOISE": True} if key_noise and packed is not None else {}),  # default False (the split kernel
+        # takes these kwargs and has no KEY_NOISE)
         num_warps=NUM_WARPS if is_interpreted(_attend_kernel) else 8 if block_d >= 128 else NUM_WARPS,
     )  # fmt: skip
     return _attend_kernel, grid, args, kwargs
 
 
 @op_entry(AttendArgs)
-def attend_triton(a: AttendArgs, out: torch.Tensor, **blocks) -> None:  # blocks: also `key_noise`
-    """`attend_runs_torch` in one Triton launch (arguments: `ops.AttendArgs`, then `out` `[B, Tq, hin, D]`, which it
-    writes)."""
-    launch_on_device("attention", attend_launch(a, out, **blocks))
+def attend_triton(
+    a: AttendArgs, out: torch.Tensor, *, splits: int | None = None, key_noise: bool = False, **blocks
+) -> None:
+    """`attend_runs_torch` in Triton (arguments: `ops.AttendArgs`, then `out` `[B, Tq, hin, D]`, which it writes):
+    one launch, or the keys split into `splits` ranges with a merge launch (triton_attention_split.py; None: its
+    `auto_splits` picks, 1 for most calls). `key_noise` (the key-noise bias, `KEY_NOISE`): always one launch (the
+    split kernel has no bias)."""
+    from . import triton_attention_split as split  # lazily: it imports this module
+
+    if key_noise:
+        launch_on_device("attention", attend_launch(a, out, key_noise=True, **blocks))
+        return
+    s = split.auto_splits(a, **blocks) if splits is None else splits
+    if s == 1:
+        launch_on_device("attention", attend_launch(a, out, **blocks))
+    else:
+        split.attend_split_triton(a, out, s, **blocks)
