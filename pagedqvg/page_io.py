@@ -23,7 +23,7 @@ from .allocator import BlockPool, RangeEntry, RangeIndex
 from .kernels.dispatch import kernel_backend, page_fill, page_write, view_build, view_runs
 from .kernels.page_write import split_halves
 from .kernels.rows import int64_on, segment_row_index, token_rows
-from .kernels.view_build import gather_plan, view_build_torch
+from .kernels.view_build import RUN_COPY_BLOCKS, DenseCopies, gather_plan, run_sources, view_build_torch
 from .kernels.view_runs import RUN_COLUMNS, RunsTorchPlan, dense_runs, packed_runs, runs_torch_plan, zero_runs
 from .layout import DenseTokenLayout
 from .packing import PackedStore
@@ -54,8 +54,11 @@ class ViewPlan:
     `[P, RUN_COLUMNS]`, the view's packed segments' codebook pages `cb_pages`, the longest run `max_run`; one
     `view_runs`). On the torch backend a dense view also keeps what `view_build_torch` derives from its row index
     (`gather`: `kernels.view_build.gather_plan`'s source view and unit index), so a repeated view is one
-    `index_select` into the output: no index arithmetic, no host read, no allocation; a run table keeps what
-    `view_runs_torch` derives from it (`runs_plan`: the runs token by token, the dense rows' gather)."""
+    `index_select` into the output: no index arithmetic, no host read, no allocation; or, when its rows do not
+    coalesce into long blocks (pages of an odd token count), one `copy_` per page run (`copies`,
+    `view_build.DenseCopies`); a run table keeps what `view_runs_torch` derives from it (`runs_plan`: the dense
+    copies, zero ranges and the packed rows' decode plan with its scratch), so a repeated view allocates nothing
+    but its output and reads nothing back on either kind of plan."""
 
     tokens: int
     page_idx: torch.Tensor | None = None
@@ -65,6 +68,7 @@ class ViewPlan:
     max_run: int = 0
     gather: tuple[torch.Tensor, torch.Tensor] | None = None
     runs_plan: RunsTorchPlan | None = None
+    copies: DenseCopies | None = None
 
 
 class PageIO:
@@ -113,6 +117,8 @@ class PageIO:
         self._kv_batch = (kv[:, None] * B + b[None, :])[:, :, None]
         # Cached write/view plans (row indices, run tables), dropped whenever pages or slots change.
         self._plans: dict[Hashable, object] = {}
+        # The torch backend's decode scratch (uint8), shared by this layer's plans; grown at plan time only.
+        self._scratch = torch.empty(0, dtype=torch.uint8, device=self.device)
 
     # ------------------------------------------------------------ plan cache
     def invalidate(self) -> None:
@@ -122,6 +128,14 @@ class PageIO:
     def cached(self, key: Hashable) -> object | None:
         """The plan remembered under `key`, or None."""
         return self._plans.get(key)
+
+    def scratch(self, nbytes: int) -> torch.Tensor:
+        """The decode scratch of this layer's view plans (torch backend), at least `nbytes` (uint8): one buffer,
+        reallocated only when a new plan needs more (plans hold views of it; the calls of one cache run one at a
+        time). About 12 B per `kernels.dequant.DEQUANT_TILE_ELEMS` element (~3 MiB)."""
+        if self._scratch.numel() < nbytes:
+            self._scratch = torch.empty(nbytes, dtype=torch.uint8, device=self.device)
+        return self._scratch
 
     def remember(self, key: Hashable, plan: object) -> object:
         """Keep `plan` under `key` until `invalidate` (at most `PLAN_CACHE_SIZE` plans; emptied when full)."""
@@ -203,9 +217,7 @@ class PageIO:
         plan = self._plans.get(key)
         if plan is None:
             if self._dense_only(index, spans):
-                p, sl = self._row_index(index, [g for global_ranges, _ in spans for g in global_ranges])
-                gather = gather_plan(self.rows, p, sl, h0, hin) if self.backend == "torch" else None
-                plan = ViewPlan(p.shape[2], page_idx=p, slot_idx=sl, gather=gather)
+                plan = self._dense_plan(index, spans, h0, hin)
             else:
                 plan = self._run_plan(index, spans, h0, hin)
             self.remember(key, plan)
@@ -234,11 +246,24 @@ class PageIO:
             return False
         return not any(e.value.packed for g, _ in spans for g0, g1 in g for e in index.overlapping(g0, g1))
 
-    def _run_plan(self, index: RangeIndex[Segment], spans: Spans, h0: int, hin: int) -> ViewPlan:
-        """The run table of a whole view (kernels/view_runs.py) from its spans: dense and packed token runs and
-        zero runs (split at `run_cap` tokens), plus the concatenated codebook pages of its packed segments; one
-        host->device copy. O(pages of the view)."""
-        cap = self.run_cap
+    def _dense_plan(self, index: RangeIndex[Segment], spans: Spans, h0: int, hin: int) -> ViewPlan:
+        """The plan of a view of dense rows only: its row index and, on the torch backend, its gather (one
+        `index_select`), or one copy per page run when that is cheaper (`view_build.RUN_COPY_BLOCKS`)."""
+        p, sl = self._row_index(index, [g for global_ranges, _ in spans for g in global_ranges])
+        if self.backend != "torch":
+            return ViewPlan(p.shape[2], page_idx=p, slot_idx=sl)
+        gather = gather_plan(self.rows, p, sl, h0, hin)
+        runs = [r[1:5] for r in self._runs(index, spans, None)[0]]
+        if gather is not None and gather[1].numel() >= RUN_COPY_BLOCKS * len(runs):
+            copies = DenseCopies(runs=run_sources(self.rows, runs, self.batch_size, h0, hin))
+            return ViewPlan(p.shape[2], page_idx=p, slot_idx=sl, copies=copies)
+        return ViewPlan(p.shape[2], page_idx=p, slot_idx=sl, gather=gather)
+
+    def _runs(
+        self, index: RangeIndex[Segment], spans: Spans, cap: int | None
+    ) -> tuple[list[tuple[int, ...]], list[int], int]:
+        """A view's run table rows (kernels/view_runs.py) from its spans, split at `cap` tokens, the concatenated
+        codebook pages of its packed segments, and its token count. O(pages of the view)."""
         store = self.packed
         runs: list[tuple[int, ...]] = []
         cb_pages: list[int] = []
@@ -264,18 +289,32 @@ class PageIO:
                 # zero-initialised buffer reads there.
                 runs += zero_runs(o, zeros, cap)
                 o += zeros
+        return runs, cb_pages, o
+
+    def _run_plan(self, index: RangeIndex[Segment], spans: Spans, h0: int, hin: int) -> ViewPlan:
+        """The run table of a whole view (`_runs`: dense, packed and zero runs split at `run_cap` tokens) and the
+        concatenated codebook pages of its packed segments, in one host->device copy; on the torch backend also what
+        `view_runs_torch` derives from them (`runs_torch_plan`). O(pages of the view)."""
+        store = self.packed
+        runs, cb_pages, o = self._runs(index, spans, self.run_cap)
         desc = int64_on([x for run in runs for x in run] + cb_pages, self.device)
         n = RUN_COLUMNS * len(runs)
         table = desc[:n].view(len(runs), RUN_COLUMNS)
         max_run = max((run[3] for run in runs), default=0)
         cb = desc[n:] if store is not None else None
-        derived = runs_torch_plan(self.rows, table, h0, hin, self.batch_size) if self.backend == "torch" else None
+        derived = None
+        if self.backend == "torch":
+            sources = (store.token_view, store.codebook_rows, cb_pages, store.fmt) if store is not None else None
+            derived = runs_torch_plan(self.rows, runs, h0, hin, self.batch_size, sources, self.scratch)
         return ViewPlan(o, runs=table, cb_pages=cb, max_run=max_run, runs_plan=derived)
 
     def build_view(self, plan: ViewPlan, h0: int, hin: int, out: torch.Tensor) -> None:
         """Fill `out` `[2, B, plan.tokens, hin, D]` with heads `[h0, h0 + hin)` of the plan's rows: dense rows
         copied, packed rows dequantized, zero rows; one `view_build` or `view_runs` call (one Triton launch, or the
         torch reference: one gather of the dense rows, one dequantization per packed segment)."""
+        if plan.copies is not None:
+            plan.copies.run(out)
+            return
         if plan.page_idx is not None:
             assert plan.slot_idx is not None
             view_build(self.rows, plan.page_idx, plan.slot_idx, h0, hin, out, self.backend, plan.gather)
