@@ -23,7 +23,7 @@ from .allocator import BlockPool, RangeEntry, RangeIndex
 from .kernels.dispatch import kernel_backend, page_fill, page_write, view_build, view_runs
 from .kernels.page_write import split_halves
 from .kernels.rows import int64_on, segment_row_index, token_rows
-from .kernels.view_build import RUN_COPY_BLOCKS, DenseCopies, gather_plan, run_sources, view_build_torch
+from .kernels.view_build import gather_plan, view_build_torch
 from .kernels.view_runs import RUN_COLUMNS, RunsTorchPlan, dense_runs, packed_runs, runs_torch_plan, zero_runs
 from .layout import DenseTokenLayout
 from .packing import PackedStore
@@ -54,11 +54,10 @@ class ViewPlan:
     `[P, RUN_COLUMNS]`, the view's packed segments' codebook pages `cb_pages`, the longest run `max_run`; one
     `view_runs`). On the torch backend a dense view also keeps what `view_build_torch` derives from its row index
     (`gather`: `kernels.view_build.gather_plan`'s source view and unit index), so a repeated view is one
-    `index_select` into the output: no index arithmetic, no host read, no allocation; or, when its rows do not
-    coalesce into long blocks (pages of an odd token count), one `copy_` per page run (`copies`,
-    `view_build.DenseCopies`); a run table keeps what `view_runs_torch` derives from it (`runs_plan`: the dense
-    copies, zero ranges and the packed rows' decode plan with its scratch), so a repeated view allocates nothing
-    but its output and reads nothing back on either kind of plan."""
+    `index_select` into the output: no index arithmetic, no host read, no allocation; a run table keeps what
+    `view_runs_torch` derives from it (`runs_plan`: the dense rows' gathers, the zero ranges and the packed rows'
+    decode plan with its scratch), so a repeated view allocates nothing but its output and reads nothing back on
+    either kind of plan."""
 
     tokens: int
     page_idx: torch.Tensor | None = None
@@ -68,7 +67,6 @@ class ViewPlan:
     max_run: int = 0
     gather: tuple[torch.Tensor, torch.Tensor] | None = None
     runs_plan: RunsTorchPlan | None = None
-    copies: DenseCopies | None = None
 
 
 class PageIO:
@@ -248,15 +246,9 @@ class PageIO:
 
     def _dense_plan(self, index: RangeIndex[Segment], spans: Spans, h0: int, hin: int) -> ViewPlan:
         """The plan of a view of dense rows only: its row index and, on the torch backend, its gather (one
-        `index_select`), or one copy per page run when that is cheaper (`view_build.RUN_COPY_BLOCKS`)."""
+        `index_select`)."""
         p, sl = self._row_index(index, [g for global_ranges, _ in spans for g in global_ranges])
-        if self.backend != "torch":
-            return ViewPlan(p.shape[2], page_idx=p, slot_idx=sl)
-        gather = gather_plan(self.rows, p, sl, h0, hin)
-        runs = [r[1:5] for r in self._runs(index, spans, None)[0]]
-        if gather is not None and gather[1].numel() >= RUN_COPY_BLOCKS * len(runs):
-            copies = DenseCopies(runs=run_sources(self.rows, runs, self.batch_size, h0, hin))
-            return ViewPlan(p.shape[2], page_idx=p, slot_idx=sl, copies=copies)
+        gather = gather_plan(self.rows, p, sl, h0, hin) if self.backend == "torch" else None
         return ViewPlan(p.shape[2], page_idx=p, slot_idx=sl, gather=gather)
 
     def _runs(
@@ -312,9 +304,6 @@ class PageIO:
         """Fill `out` `[2, B, plan.tokens, hin, D]` with heads `[h0, h0 + hin)` of the plan's rows: dense rows
         copied, packed rows dequantized, zero rows; one `view_build` or `view_runs` call (one Triton launch, or the
         torch reference: one gather of the dense rows, one dequantization per packed segment)."""
-        if plan.copies is not None:
-            plan.copies.run(out)
-            return
         if plan.page_idx is not None:
             assert plan.slot_idx is not None
             view_build(self.rows, plan.page_idx, plan.slot_idx, h0, hin, out, self.backend, plan.gather)

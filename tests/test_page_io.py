@@ -258,6 +258,34 @@ def test_views_coalesce_rows_of_a_page_into_one_copy(monkeypatch):
     assert seen == [16 * 2 * 8]  # a unit of 16 tokens (one page's K or V block) per copy
 
 
+@pytest.mark.parametrize("zeros", [0, 5], ids=["dense-only", "run-table"])
+@pytest.mark.parametrize("B", [1, 2])
+def test_rows_coalesce_in_pages_of_an_odd_token_count(monkeypatch, zeros, B):
+    """Pages of an odd token count (101 per page here; the auto page size holds 783 at the LingBot-like layer) whose
+    size is no whole number of rows, so page starts are not row-aligned: a page's rows still coalesce into one
+    block per page run (read from a window view of the arena, which starts a block at any element; before, the
+    block had to start at a multiple of its size, which capped it at a fraction of a row), and the view is one
+    gather (per output range and (kv, b) with zero slots); bits equal the reference's. With B = 2 a batch
+    element's rows are B rows apart in a page (token-major pages), so they gather row by row (as head slices do)."""
+    D, H = 8, 3
+    page_bytes = 256 * -(-101 * 2 * B * H * D * 2 // 256)  # 101 tokens per page and a tail that is no whole row
+    layer = Layer(B=B, H=H, D=D, dtype=torch.float16, page_bytes=page_bytes, seed=11)
+    assert layer.layout.tokens_per_page == 101 and (page_bytes // 2) % (H * D)
+    for _ in range(2):
+        layer.append(202)
+    spans = [([(0, 202), (303, 404)], zeros)]  # three whole pages
+    widths = []
+    real = torch.index_select
+    monkeypatch.setattr(torch, "index_select", lambda s, *a, **k: (widths.append(s.shape[1]), real(s, *a, **k))[1])
+    for h0, hin in ((0, 3), (1, 2)):
+        layer.io.invalidate()
+        widths.clear()
+        got = layer.view(spans, h0, hin)
+        assert torch.equal(bits(got), bits(layer.expect(spans, h0, hin)))
+        rows = 101 if B == 1 and hin == H else 1  # a head slice of a row is no neighbour of the next row's
+        assert set(widths) == {rows * hin * D} and len(widths) == (1 if zeros == 0 else 2 * B)
+
+
 def test_gather_plan_refuses_rows_whose_heads_are_not_contiguous():
     rows = torch.zeros(3, 4, 2, 8)[:, :, :, ::2]  # D elements 2 apart
     assert gather_plan(rows, torch.tensor([[2]]), torch.tensor([[3]]), 0, 2) is None

@@ -81,7 +81,8 @@ def record_gather(
     Records that follow each other in memory are read `c` at a time (one copy of `c * length` elements), `c` the
     largest count dividing every maximal run of adjacent records and `block` (0: no constraint; so an output read in
     parts of `block` records gathers each part from whole rows of `index`). Runs may start anywhere (a window view,
-    `window_view`, at the stride `gcd(length, align)`), so rows of one page coalesce whatever the page stride.
+    `window_view`, at the stride `gcd(length, align)`; when every block starts at a multiple of its width, a view
+    without overlap), so rows of one page coalesce whatever the page stride.
     O(N) plus one host read of the run lengths (a sync on CUDA: build it once per plan)."""
     n = starts.numel()
     c = 1
@@ -89,8 +90,9 @@ def record_gather(
         breaks = torch.nonzero(starts[1:] - starts[:-1] != length).flatten() + 1
         edges = torch.cat([breaks.new_zeros(1), breaks, breaks.new_full((1,), n)])
         c = math.gcd(*torch.diff(edges).tolist(), block)
-    u = math.gcd(length, align)
-    return window_view(base, u, c * length), (starts[::c] // u).contiguous()
+    first = starts[::c]
+    u = c * length if n and not bool((first % (c * length)).any()) else math.gcd(length, align)  # aligned: no overlap
+    return window_view(base, u, c * length), (first // u).contiguous()
 
 
 def row_starts(rows: torch.Tensor, page_idx: torch.Tensor, slot_idx: torch.Tensor, head_start: int) -> torch.Tensor:

@@ -61,26 +61,16 @@ def view_build_torch(a: ViewBuildArgs, gather: tuple[torch.Tensor, torch.Tensor]
     return gather_rows(*plan, out)
 
 
-#: A `copy_` call costs about as much host time as this many `index_select` blocks: dense runs are copied one
-#: `copy_` each when their gather would need at least this many blocks per run (long runs whose rows do not
-#: coalesce into long blocks, e.g. pages of an odd token count), else gathered (kernels/rows.py `record_gather`).
-RUN_COPY_BLOCKS = 64
-
-
 @dataclass(frozen=True, slots=True)
 class DenseCopies:
-    """Dense rows of a view written into its output `[2, B, T, heads, D]` with no allocation: one `copy_` per run
-    (`runs`: `(source [2, B, count, heads, D] view of the rows, out_row, count)`), or one `index_select` per output
-    range and (kv, b) (`gathers`: `(out_row, count, source, index [2, B, n])` of `gather_plan`). Built once per plan
-    (`dense_copies`)."""
+    """Dense rows of a run-table view written into its output `[2, B, T, heads, D]` with no allocation: one
+    `index_select` per range of consecutive output rows and (kv, b) (`gathers`: `(out_row, count, source, index
+    [2, B, n])` of `gather_plan`). Built once per plan (`dense_copies`)."""
 
-    runs: tuple[tuple[torch.Tensor, int, int], ...] = ()
     gathers: tuple[tuple[int, int, torch.Tensor, torch.Tensor], ...] = ()
 
     def run(self, out: torch.Tensor) -> None:
-        """Copy the rows into `out` `[2, B, T, heads, D]`."""
-        for src, t0, count in self.runs:
-            out.narrow(2, t0, count).copy_(src)
+        """Copy the rows into `out` `[2, B, T, heads, D]` (into it directly when it is contiguous)."""
         for t0, count, source, index in self.gathers:
             for kv in range(index.shape[0]):
                 for b in range(index.shape[1]):
@@ -91,9 +81,8 @@ def dense_copies(
     rows: torch.Tensor, runs: list[tuple[int, ...]], batch: int, head_start: int, heads: int
 ) -> DenseCopies | None:
     """The `DenseCopies` of dense runs `(page, first_slot, count, out_row)` (token slots of pages of `rows`, in
-    output order; layout.py's token-major pages), or None when the rows' heads are not contiguous. Gathers per range
-    of consecutive output rows unless one copy per run is cheaper (`RUN_COPY_BLOCKS`). O(rows) plus one host read of
-    run lengths per range."""
+    output order; layout.py's token-major pages), or None when the rows' heads are not contiguous. O(rows) plus one
+    host read of run lengths per range of consecutive output rows."""
     if not heads_contiguous(rows):
         return None
     tpp = rows.shape[1] // (2 * batch)
@@ -105,27 +94,12 @@ def dense_copies(
             ranges.append([run])
     kv = torch.arange(2, device=rows.device)[:, None, None]
     b = torch.arange(batch, device=rows.device)[None, :, None]
-    gathers, blocks = [], 0
+    gathers = []
     for group in ranges:
         page = torch.tensor([p for p, _, c, _ in group for _ in range(c)], dtype=torch.int64).to(rows.device)
         token = torch.tensor([f + i for _, f, c, _ in group for i in range(c)], dtype=torch.int64).to(rows.device)
         slot = kv * (tpp * batch) + token * batch + b
         plan = gather_plan(rows, page.expand_as(slot), slot, head_start, heads, 2 * batch)
         assert plan is not None
-        blocks += plan[1].numel()
         gathers.append((group[0][3], page.numel(), plan[0], plan[1].view(2, batch, -1)))
-    if blocks < RUN_COPY_BLOCKS * len(runs):
-        return DenseCopies(gathers=tuple(gathers))
-    return DenseCopies(runs=run_sources(rows, runs, batch, head_start, heads))
-
-
-def run_sources(
-    rows: torch.Tensor, runs: list[tuple[int, ...]], batch: int, head_start: int, heads: int
-) -> tuple[tuple[torch.Tensor, int, int], ...]:
-    """`DenseCopies.runs` of dense runs `(page, first_slot, count, out_row)`: per run, its K and V rows of heads
-    `[head_start, head_start + heads)` as one `[2, B, count, heads, D]` view of `rows`. O(runs)."""
-    tpp = rows.shape[1] // (2 * batch)
-    tok = rows.view(rows.shape[0], 2, tpp, batch, *rows.shape[2:])
-    return tuple(
-        (tok[p, :, f : f + c, :, head_start : head_start + heads].transpose(1, 2), o, c) for p, f, c, o in runs
-    )
+    return DenseCopies(tuple(gathers))
