@@ -113,7 +113,7 @@ def decode_plan(
     cb_offsets = sorted({p[4] for p in pieces})
     page, slot, out_row, seg = _tokens(pieces, cb_offsets)
     n = len(page)
-    step = max(1, DEQUANT_TILE_ELEMS // (G * heads * D))
+    step = max(1, min(n, DEQUANT_TILE_ELEMS // (G * heads * D)))  # tokens per tile; the scratch is one tile
     tiles = tuple((a, min(a + step, n)) for a in range(0, n, step))
     s0, s1, s2, s3 = (tokens.stride(i) for i in range(4))
     p, sl = int64_on(page, dev), int64_on(slot, dev)
