@@ -141,6 +141,7 @@ BENCHMARKS: tuple[Benchmark, ...] = (
         "vs_baselines",
         "pagedqvg vs the dense cache and the segment list (bench_vs_baselines.py)",
         lambda a: [_script("bench_vs_baselines.py", *_quick(a, "--quick"), "--out", a.out)],
+        env=_sglang_env,  # SGLang's QVG cache in the host-overhead table when --sglang-src is given
     ),
     Benchmark(
         "cpu_views",
