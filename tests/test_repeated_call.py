@@ -18,6 +18,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 import pagedqvg
 from pagedqvg import BlockPool, PagedCausalKVCache, QuantConfig
+from pagedqvg.kernels import decode_plan
 from pagedqvg.synthetic import video_kv
 
 B, H, D = 1, 4, 8
@@ -214,20 +215,28 @@ def packed_cache(quant: str, reuse: bool):
 @pytest.mark.parametrize("reuse", [False, True])
 @pytest.mark.parametrize("quant", list(QUANTS))
 @pytest.mark.parametrize("heads", [None, (1, 2)])
-def test_repeated_view_with_packed_rows_allocates_only_its_view(production, monkeypatch, quant, reuse, heads):
+@pytest.mark.parametrize("tile", [None, 3], ids=["one-tile", "tiles-of-3-tokens"])
+def test_repeated_view_with_packed_rows_allocates_only_its_view(production, monkeypatch, quant, reuse, heads, tile):
     """Packed rows decoded from the plan's kept gathers into its kept scratch: 1 allocation (0 with
     `reuse_view_buffer`), no host read; the packed rows equal `packed_dequant_torch`'s decode of their segment (bit
-    for bit) and the dense rows the written chunk."""
+    for bit) and the dense rows the written chunk. With tiles of 3 tokens the 64 packed tokens take 22 tiles (the
+    last of 1 token)."""
     cache, k, v = packed_cache(quant, reuse)
     kw, h0, hin = {}, 0, H
     if heads is not None:
         h0, hin = heads
         k, v, kw = k[:, :, h0 : h0 + hin], v[:, :, h0 : h0 + hin], {"cache_head_start": h0}
+    if tile is not None:
+        monkeypatch.setattr(decode_plan, "DEQUANT_TILE_ELEMS", tile * 2 * B * hin * D)
+        cache._io.invalidate()  # the fill planned this view already
     s = 4 * 16
     first = repeat(cache, k, v, s, 16, **kw)
     k0, v0 = first.k.clone(), first.v.clone()
     sources = cache.last_view_sources()
     assert sum(kind == "packed" for *_, kind in sources) == 4, sources
+    if tile is not None:
+        plans = [p.runs_plan.packed for p in cache._io._plans.values() if getattr(p, "runs_plan", None)]
+        assert [len(p.tiles) for p in plans] == [22]
     view = assert_allocation_free(lambda: repeat(cache, k, v, s, 16, **kw), reuse)
     calls = no_host_reads(monkeypatch)
     view = repeat(cache, k, v, s, 16, **kw)
