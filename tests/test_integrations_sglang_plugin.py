@@ -196,11 +196,11 @@ def test_a_worker_whose_hooks_sglang_did_not_apply_stops(monkeypatch):
     parts = name.split(".")
     for i in range(1, len(parts) + 1):
         monkeypatch.setitem(sys.modules, ".".join(parts[:i]), types.ModuleType(".".join(parts[:i])))
-    registry = type("HookRegistry", (), {"_patched": {plugin.HOOK_TARGETS[0]}})
+    registry = type("HookRegistry", (), {"_patched": {plugin.HOOK_TARGETS[0], *plugin.FORWARD_TARGETS}})
     sys.modules[name].HookRegistry = registry
     with pytest.raises(SystemExit, match=r"could not apply the hooks on .*LingBotWorld.*PAGEDQVG=off"):
         plugin._require_hooks_applied("spec")
-    registry._patched = set(plugin.HOOK_TARGETS)
+    registry._patched = set(plugin._hook_targets())
     assert plugin._require_hooks_applied("spec") is None
 
 
@@ -229,13 +229,13 @@ def test_pages_mode_requires_its_attention_hook(monkeypatch):
     parts = name.split(".")
     for i in range(1, len(parts) + 1):
         monkeypatch.setitem(sys.modules, ".".join(parts[:i]), types.ModuleType(".".join(parts[:i])))
-    registry = type("HookRegistry", (), {"_patched": set(plugin.HOOK_TARGETS)})
+    registry = type("HookRegistry", (), {"_patched": set(plugin._hook_targets())})
     sys.modules[name].HookRegistry = registry
     before = sglang_attention.set_attention_mode("pages")
     try:
         with pytest.raises(SystemExit, match=r"LocalAttention\.forward"):
             plugin._require_hooks_applied("spec")
-        registry._patched = set(plugin.HOOK_TARGETS) | {plugin.ATTENTION_TARGET}
+        registry._patched = set(plugin._hook_targets()) | {plugin.ATTENTION_TARGET}
         assert plugin._require_hooks_applied("spec") is None
     finally:
         sglang_attention.set_attention_mode(before)
