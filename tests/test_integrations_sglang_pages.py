@@ -187,6 +187,11 @@ def test_real_longlive2_pages_matches_sglang_dense_cache():
         assert off <= 2e-3 and off <= int2 / 3 and int2 > 0, dtype
         for run in ("pages-off", "pages-int2", "pages-off-tile16"):
             assert runs[run]["attend_from_pages_calls"] == 60, (dtype, run)  # 6 chunks x 5 passes x 2 layers
+        for run, out in runs.items():  # the allocation was one session: within its plan, every page back at the end
+            if "session" in out:
+                s = out["session"]
+                assert s["closed"] and s["pages_after_request"] == 0, (dtype, run, s)
+                assert 0 < s["high_water_pages"] <= s["planned_pages"], (dtype, run, s)
     # 16-token tiles (the log-sum-exp merge runs): fp32 within both bounds; bf16 within 1.5x the noise floor of
     # bf16 here (SGLang's dense cache with fp32 attention), of which int2's error is itself of the order.
     tiles32 = res["float32"]["pages-off-tile16"]["relative_l2"]
