@@ -128,9 +128,7 @@ def run_installed(sgl, model, dense, dtype, mode: str, quant: dict | None, tile:
     calls attended from pages."""
     from pagedqvg import attention
     from pagedqvg.integrations import sglang as integ
-    from pagedqvg.integrations import sglang_attention
-
-    from pagedqvg.integrations import sglang_sessions
+    from pagedqvg.integrations import sglang_attention, sglang_sessions
 
     integ.install(budget_bytes=64 << 20, attention=mode)
     calls = {"pages": 0}
