@@ -1,0 +1,104 @@
+"""What "a call that raises has not happened" costs: CPU time per call with the transaction machinery vs the same
+calls with it bypassed, side by side in one process.
+
+An advance (new tokens) or a rewrite that unpacks a packed chunk runs as a transaction (`PagedCausalKVCache.
+_begin_transaction`): the pool's lock held across the call, deep copies of the sequencer's state and segment table,
+and the pool's journal of the cache's allocations and frees with a copy of every freed page's bytes (a rolling advance
+frees the evicted chunk's pages, so their bytes are copied). A pure in-place rewrite (a later denoise step) is not a
+transaction. The bypassed twin is the same cache with `_begin_transaction` replaced by a no-op (no lock hold, no
+copies, no journal: what the call cost before transactions, minus nothing else); both caches see the same calls and
+their views are checked bit-equal.
+
+Layer: LingBot-like, 8 heads x 128, bf16, batch 1, chunks of `--chunk` tokens, a 6-chunk cache with a 3-chunk sink,
+64 KiB pages (the window rolls every advance after warm-up). Quant off: advance, in-place rewrite. Quant on (int2,
+`keep_recent_chunks=1`): advance (packs the chunk leaving the recent set), in-place rewrite, and a rewrite of the
+previous (packed) chunk, which unpacks it. In rounds of one call per cache (noise hits both alike); medians of
+`--rounds` rounds after `--warm` warm-up chunks.
+
+    PYTHONPATH=. python benchmarks/bench_transactions.py [--rounds 30] [--chunk 1560] [--json out.json]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import time
+
+import torch
+
+from pagedqvg import BlockPool, PagedCausalKVCache, QuantConfig
+
+HEADS, HEAD_DIM, CACHE_CHUNKS, SINK_CHUNKS, PAGE = 8, 128, 6, 3, 64 << 10
+INT2 = QuantConfig(bits=2, centroids=16, block_size=128, kmeans_iters=2, keep_recent_chunks=1, sink=False)
+
+
+def make(chunk: int, quant: QuantConfig | None, bypass: bool) -> PagedCausalKVCache:
+    tokens = CACHE_CHUNKS * chunk
+    pool = BlockPool(capacity_bytes=(2 * tokens * HEADS * HEAD_DIM * 2) * 3 + 64 * PAGE, page_bytes=PAGE)
+    cache = PagedCausalKVCache(pool=pool, batch_size=1, cache_size=tokens, num_heads=HEADS, head_dim=HEAD_DIM,
+                               dtype=torch.bfloat16, device="cpu", sink_tokens=SINK_CHUNKS * chunk, quant=quant,
+                               name="bypassed" if bypass else "transactional")  # fmt: skip
+    if bypass:
+        cache._begin_transaction = lambda: None  # the calls as they ran before transactions
+    return cache
+
+
+def kv(seed: int, chunk: int) -> tuple[torch.Tensor, torch.Tensor]:
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(2, 1, chunk, HEADS, HEAD_DIM, generator=g).to(torch.bfloat16)
+    return x[0], x[1]
+
+
+def call(cache, chunk: int, k: int, seed: int):
+    key, value = kv(seed, chunk)
+    t0 = time.perf_counter()
+    view = cache.update_and_get_attention_kv(key=key, value=value, current_chunk_start=k * chunk)
+    return time.perf_counter() - t0, view
+
+
+def run(chunk: int, quant: QuantConfig | None, rounds: int, warm: int) -> dict[str, tuple[float, float]]:
+    """Median seconds per call kind: (transactional, bypassed)."""
+    caches = [make(chunk, quant, False), make(chunk, quant, True)]
+    times: dict[str, list[list[float]]] = {}
+    for k in range(warm + rounds):
+        steps = [("advance", k, 1000 * k), ("rewrite in place", k, 1000 * k + 1)]
+        if quant is not None and k >= 2:
+            steps.append(("rewrite of a packed chunk (unpacks)", k - 1, 1000 * k + 2))
+        for kind, target, seed in steps:
+            views = []
+            for cache in caches if k % 2 else caches[::-1]:
+                dt, view = call(cache, chunk, target, seed)
+                views.append(view)
+                if k >= warm:
+                    times.setdefault(kind, [[], []])[cache.debug_name == "bypassed"].append(dt)
+            assert torch.equal(views[0].k, views[1].k) and torch.equal(views[0].v, views[1].v), (kind, k)
+    for cache in caches:
+        cache.close()
+    return {kind: (statistics.median(t), statistics.median(b)) for kind, (t, b) in times.items()}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--rounds", type=int, default=30)
+    ap.add_argument("--warm", type=int, default=8)
+    ap.add_argument("--chunk", type=int, default=1560)
+    ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--json", default=None)
+    args = ap.parse_args()
+    torch.set_num_threads(args.threads)
+    out = {}
+    print(f"transaction cost: 8 heads x 128 bf16, chunk {args.chunk} tokens, cache {CACHE_CHUNKS} chunks "
+          f"(sink {SINK_CHUNKS}), 64 KiB pages, {args.rounds} rounds (medians, ms per call)")  # fmt: skip
+    print(f"{'quant':<6} {'call':<38} {'transactional':>14} {'bypassed':>10} {'ratio':>7}")
+    for name, quant in (("off", None), ("int2", INT2)):
+        for kind, (t, b) in run(args.chunk, quant, args.rounds, args.warm).items():
+            print(f"{name:<6} {kind:<38} {t * 1e3:>14.2f} {b * 1e3:>10.2f} {t / b:>6.2f}x")
+            out[f"{name}: {kind}"] = {"transactional_ms": t * 1e3, "bypassed_ms": b * 1e3, "ratio": t / b}
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump({"chunk": args.chunk, "rounds": args.rounds, "results": out}, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()
