@@ -12,10 +12,11 @@ their views are checked bit-equal.
 Layer: LingBot-like, 8 heads x 128, bf16, batch 1, chunks of `--chunk` tokens, a 6-chunk cache with a 3-chunk sink,
 64 KiB pages (the window rolls every advance after warm-up). Quant off: advance, in-place rewrite. Quant on (int2,
 `keep_recent_chunks=1`): advance (packs the chunk leaving the recent set), in-place rewrite, and a rewrite of the
-previous (packed) chunk, which unpacks it. In rounds of one call per cache (noise hits both alike); medians of
-`--rounds` rounds after `--warm` warm-up chunks.
+previous (packed) chunk, which unpacks it. In rounds of one call per cache (noise hits both alike, the order
+alternating); medians of `--rounds` rounds after `--warm` warm-up chunks. glibc's malloc is set to keep freed memory
+(bench_cpu_views.steady_malloc) so that fresh view tensors do not page-fault in again (`--glibc-malloc`: defaults).
 
-    PYTHONPATH=. python benchmarks/bench_transactions.py [--rounds 30] [--chunk 1560] [--json out.json]
+    PYTHONPATH=. python benchmarks/bench_transactions.py [--rounds 30] [--chunk 1560] [--quant off,int2] [--json F]
 """
 
 from __future__ import annotations
@@ -26,6 +27,7 @@ import statistics
 import time
 
 import torch
+from bench_cpu_views import steady_malloc
 
 from pagedqvg import BlockPool, PagedCausalKVCache, QuantConfig
 
@@ -85,19 +87,25 @@ def main() -> None:
     ap.add_argument("--chunk", type=int, default=1560)
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--json", default=None)
+    ap.add_argument("--quant", default="off,int2", help="comma list of off, int2")
+    ap.add_argument("--glibc-malloc", action="store_true", help="keep glibc's malloc defaults (see bench_cpu_views)")
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
+    steady = False if args.glibc_malloc else steady_malloc()
     out = {}
     print(f"transaction cost: 8 heads x 128 bf16, chunk {args.chunk} tokens, cache {CACHE_CHUNKS} chunks "
-          f"(sink {SINK_CHUNKS}), 64 KiB pages, {args.rounds} rounds (medians, ms per call)")  # fmt: skip
+          f"(sink {SINK_CHUNKS}), 64 KiB pages, {args.rounds} rounds (medians, ms per call); steady malloc: "
+          f"{steady}")  # fmt: skip
     print(f"{'quant':<6} {'call':<38} {'transactional':>14} {'bypassed':>10} {'ratio':>7}")
-    for name, quant in (("off", None), ("int2", INT2)):
+    for name in args.quant.split(","):
+        quant = {"off": None, "int2": INT2}[name]
         for kind, (t, b) in run(args.chunk, quant, args.rounds, args.warm).items():
             print(f"{name:<6} {kind:<38} {t * 1e3:>14.2f} {b * 1e3:>10.2f} {t / b:>6.2f}x")
-            out[f"{name}: {kind}"] = {"transactional_ms": t * 1e3, "bypassed_ms": b * 1e3, "ratio": t / b}
+            out[f"{name}: {kind}"] = {"chunk": args.chunk, "transactional_ms": t * 1e3, "bypassed_ms": b * 1e3,
+                                      "ratio": t / b}  # fmt: skip
     if args.json:
         with open(args.json, "w") as f:
-            json.dump({"chunk": args.chunk, "rounds": args.rounds, "results": out}, f, indent=1)
+            json.dump({"rounds": args.rounds, "steady_malloc": steady, "results": out}, f, indent=1)
 
 
 if __name__ == "__main__":
