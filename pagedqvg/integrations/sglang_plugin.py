@@ -23,8 +23,10 @@ activations need); without one each process logs how to turn it on. Any bad valu
 which would fall back silently to SGLang's caches; `SystemExit` is not an `Exception`).
 
 Registration only (as `load_plugins()` documents): `register()` parses the variables and registers AROUND hooks
-with SGLang's `plugin_hook` on the stages' `_allocate_causal_kv_cache`; SGLang's `apply_plugin_hooks()` applies
-them (and re-points every module bound to the originals). The pool is built on each worker's device at its first
+with SGLang's `plugin_hook` on the stages' `_allocate_causal_kv_cache` and `forward` (each allocation's caches one
+session of the pool, closed when the request's forward returns or raises: sglang_sessions.py) and a BEFORE hook on the
+realtime state's `dispose`; SGLang's `apply_plugin_hooks()` applies them (and re-points every module bound to the
+originals). The pool is built on each worker's device at its first
 cache, so every rank of a multi-GPU run has its own pool of the given budget.
 """
 
