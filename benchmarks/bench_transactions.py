@@ -15,9 +15,10 @@ difference of two call times. The in-place rewrite (no transaction) is the contr
 Layer: LingBot-like, 8 heads x 128, bf16, batch 1, chunks of `--chunk` tokens, a 6-chunk cache with a 3-chunk sink,
 64 KiB pages (the window rolls every advance after warm-up). Quant off: advance, in-place rewrite. Quant on (int2,
 `keep_recent_chunks=1`): advance (packs the chunk leaving the recent set), in-place rewrite, and a rewrite of the
-previous (packed) chunk, which unpacks it. In rounds of one call per cache (noise hits both alike, the order
-alternating); medians of `--rounds` rounds after `--warm` warm-up chunks. glibc's malloc is set to keep freed memory
-(bench_cpu_views.steady_malloc) so that fresh view tensors do not page-fault in again (`--glibc-malloc`: defaults).
+chunk before the previous one (packed by then), which unpacks it. In rounds of one call per cache (noise hits both
+alike, the order alternating); medians of `--rounds` rounds after `--warm` warm-up chunks. glibc's malloc is set to
+keep freed memory (bench_cpu_views.steady_malloc) so that fresh view tensors do not page-fault in again
+(`--glibc-malloc`: defaults).
 
     PYTHONPATH=. python benchmarks/bench_transactions.py [--rounds 30] [--chunk 1560] [--quant off,int2] [--json F]
 """
@@ -91,8 +92,8 @@ def run(chunk: int, quant: QuantConfig | None, rounds: int, warm: int) -> dict[s
     times: dict[str, list[list[float]]] = {}
     for k in range(warm + rounds):
         steps = [("advance", k, 1000 * k), ("rewrite in place", k, 1000 * k + 1)]
-        if quant is not None and k >= 2:
-            steps.append(("rewrite of a packed chunk (unpacks)", k - 1, 1000 * k + 2))
+        if quant is not None and k >= 2:  # chunk k - 2: packed once it left the recent chunk (from the 6th chunk on)
+            steps.append(("rewrite of a packed chunk (unpacks)", k - 2, 1000 * k + 2))
         for kind, target, seed in steps:
             views = []
             for cache in caches if k % 2 else caches[::-1]:
