@@ -9,11 +9,17 @@ through the hooks' code paths by stand-in stages whose `forward` follows SGLang 
 - admission: a list whose planned peak does not fit is refused with SessionRefusedError naming the stage and the
   pages, before any token is written, pool and sessions exactly as before (snapshot); bad allocation arguments
   raise CacheConfigError and change nothing; measured high water <= planned pages.
-The same machinery through SGLang's real LongLive2 model and allocation: tests/sglang_longlive2_pages.py.
+The same machinery through SGLang's real LongLive2 model and allocation: tests/sglang_longlive2_pages.py; through
+SGLang's real LingBot-World stage forward and RealtimeSession: tests/sglang_lingbot_sessions.py (both with
+PAGEDQVG_SGLANG_SRC).
 """
 
 from __future__ import annotations
 
+import json
+import os
+import subprocess
+import sys
 import types
 
 import pytest
@@ -232,3 +238,23 @@ def test_a_list_dropped_outside_a_request_is_reclaimed_at_the_next_admission(poo
     del caches  # SGLang dropped the list: the session is abandoned
     stage.allocate()  # the next admission reclaims it first
     assert manager.reclaimed == 1 and used(pool) == 0
+
+
+@pytest.mark.skipif(not os.environ.get("PAGEDQVG_SGLANG_SRC"), reason="PAGEDQVG_SGLANG_SRC (SGLang source) unset")
+def test_real_lingbot_stage_keeps_realtime_caches_and_frees_the_rest():
+    """tests/sglang_lingbot_sessions.py: SGLang's LingBot-World stage, 5 realtime chunk calls on one RealtimeSession
+    (torch.equal to SGLang's dense cache), a restart at block 0, RealtimeSession.dispose(), 2 one-shot calls."""
+    here = os.path.dirname(os.path.abspath(__file__))
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([os.path.dirname(here), *sys.path])}
+    proc = subprocess.run(
+        [sys.executable, os.path.join(here, "sglang_lingbot_sessions.py"), os.environ["PAGEDQVG_SGLANG_SRC"]],
+        env=env, capture_output=True, text=True, timeout=900,
+    )  # fmt: skip
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    res = json.loads(proc.stdout.strip().splitlines()[-1])
+    print(res)
+    assert all(res["latents_equal_dense"]) and res["restart_equals_first_chunk"]
+    realtime = res["realtime_pages_and_open_sessions_after_each_call"]
+    assert all(pages > 0 and opened == 1 for pages, opened in realtime), "SGLang keeps them across calls"
+    assert res["reclaimed_at_restart"] == 1 and res["after_restart"] == [realtime[0][0], 1]
+    assert res["after_dispose"] == [0, 0] and res["one_shot_after_each_call"] == [[0, 0], [0, 0]]
