@@ -58,5 +58,9 @@ echo "sglang_suite: documented difference confirmed ($documented fails on 'asser
 cd "$repo"
 PAGEDQVG_SGLANG_SRC="$work/src" "$PYTHON" -m pytest -q -p no:cacheprovider tests/test_integrations_sglang_pages.py \
   -k real_longlive2
+# Sessions on SGLang's real LingBot-World stage forward and RealtimeSession (pages kept across realtime calls, 0 after
+# dispose and after one-shot calls): tests/test_integrations_sglang_sessions.py's real-stage test (~1 min).
+PAGEDQVG_SGLANG_SRC="$work/src" "$PYTHON" -m pytest -q -p no:cacheprovider tests/test_integrations_sglang_sessions.py \
+  -k real_lingbot
 cd "$work/src"
 echo "sglang_suite: done in $(( $(date +%s) - start )) s"
