@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import subprocess
 import sys
 import time
@@ -142,6 +143,8 @@ def generate_cases(work: str) -> None:
     )
     paged, log = generate(work, "paged", {"PAGEDQVG_BUDGET": "64MiB"})
     check("PagedCausalSelfAttentionKVCache caches; pool cpu:" in log, "(b) the worker's log shows pagedqvg's caches")
+    done = re.findall(r"request done; pool cpu: (\d+) of \d+ pages in use; (\d+) open sessions", log)
+    check(bool(done) and all(d == ("0", "0") for d in done), f"(b) pool pages in use after each request: {done}")
     check(paged["launcher"] == {"caches": 0, "pools": 0}, f"(b) launching process built no cache: {paged['launcher']}")
     a, b = torch.load(f"{work}/sglang.pt"), torch.load(f"{work}/paged.pt")
     check(torch.equal(a, b), f"(b) samples torch.equal with quantization off ({tuple(a.shape)})")

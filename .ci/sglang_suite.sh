@@ -58,6 +58,10 @@ echo "sglang_suite: documented difference confirmed ($documented fails on 'asser
 cd "$repo"
 PAGEDQVG_SGLANG_SRC="$work/src" "$PYTHON" -m pytest -q -p no:cacheprovider tests/test_integrations_sglang_pages.py \
   -k real_longlive2
+# Sessions on SGLang's real LingBot-World stage forward and RealtimeSession (pages kept across realtime calls, 0 after
+# dispose and after one-shot calls): tests/test_integrations_sglang_sessions.py's real-stage test (~1 min).
+PAGEDQVG_SGLANG_SRC="$work/src" "$PYTHON" -m pytest -q -p no:cacheprovider tests/test_integrations_sglang_sessions.py \
+  -k real_lingbot
 # The rollout benchmark's core at tiny size on the same stage (6 chunks, scene cuts and pins; quant off bit for bit
 # SGLang's dense cache, int4 below int2 at every chunk): about a minute, most of it SGLang's imports.
 PAGEDQVG_SGLANG_SRC="$work/src" "$PYTHON" -m pytest -q -p no:cacheprovider tests/test_bench_sglang_rollout.py

@@ -3,7 +3,7 @@
 #
 #   .ci/triton_suite.sh [extra pytest args]
 #
-# Runs tests/test_cache*.py once with PAGEDQVG_KERNELS=triton (every page write, page fill, view build and PRQ pack goes
+# Runs tests/test_cache*.py (and tests/test_faults_triton.py) once with PAGEDQVG_KERNELS=triton (every page write, page fill, view build and PRQ pack goes
 # through the Triton kernels) and TRITON_INTERPRET=1 (set here, before Python starts, so triton decorates every
 # kernel for the interpreter), with the reduced Hypothesis budget PAGEDQVG_FUZZ_PROFILE=interp. The interpreter
 # costs ~10-30 ms per kernel call on 2 cores, so the "ci" fuzz budget would take many minutes.
@@ -23,6 +23,8 @@ export PAGEDQVG_FUZZ_PROFILE="${PAGEDQVG_FUZZ_PROFILE:-interp}"
 
 shopt -s nullglob
 files=(tests/test_cache*.py)
+# Faults injected at the Triton launch sites (skipped outside this suite: it needs the interpreter from process start).
+extra=(tests/test_faults_triton.py)
 # Moved in from tests/test_compact_cache.py, which this suite never ran (under the interpreter the compact machine
 # alone took 624 s on the shared 2 cores): kept out so the suite runs what it ran before the tests: rename.
 deselect=(--deselect tests/test_cache_fuzz_quant.py::test_state_machine_compact
@@ -37,6 +39,6 @@ echo "triton_suite: PAGEDQVG_KERNELS=$PAGEDQVG_KERNELS TRITON_INTERPRET=$TRITON_
   "PAGEDQVG_FUZZ_PROFILE=$PAGEDQVG_FUZZ_PROFILE: ${files[*]}" >&2
 start=$SECONDS
 status=0
-"$PYTHON" -m pytest -q -p no:cacheprovider --durations=10 "${files[@]}" "${deselect[@]}" "$@" || status=$?
+"$PYTHON" -m pytest -q -p no:cacheprovider --durations=10 "${files[@]}" "${extra[@]}" "${deselect[@]}" "$@" || status=$?
 echo "triton_suite: exit $status after $((SECONDS - start)) s" >&2
 exit "$status"

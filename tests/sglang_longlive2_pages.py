@@ -5,7 +5,9 @@ attention `view` / `pages`, quantization off, int2 and compact (pages also with 
 window spans several and their log-sum-exp merge runs; int2 and compact pages also with the key-noise score
 correction, `-keynoise`, pagedqvg/key_noise.py); for bf16 also SGLang's dense cache with its attention computed in
 fp32 (the noise floor of bf16 rounding here). Prints one JSON object per dtype: each run's relative L2 error of the
-final latents against the dense cache's run in that dtype, and how many self-attention calls attended from pages.
+final latents against the dense cache's run in that dtype, how many self-attention calls attended from pages, and
+for pagedqvg runs the allocation's session (sglang_sessions: the run is one request scope): its planned pages, the
+pool's high water during the run, and the pages in use after the request (0: the session closed at its end).
 
 Usage: python tests/sglang_longlive2_pages.py SGLANG_SRC   (SGLANG_SRC: a folder holding SGLang 0.5.23's `sglang`
 package, e.g. the wheel extracted without `sglang/__init__.py`, as .ci/sglang_suite.sh does; SGLang's heavy
@@ -121,7 +123,10 @@ def allocate(sgl, quant: dict | None, dtype: torch.dtype) -> list:
         quant_args = QuantConfig(**{k: v for k, v in quant.items() if k != "enabled"})
     else:
         quant_args = None if quant is None else types.SimpleNamespace(**quant)
-    stage = types.SimpleNamespace(num_transformer_blocks=LAYERS, _kv_quant_args=quant_args)
+    stage = types.SimpleNamespace(
+        num_transformer_blocks=LAYERS, _kv_quant_args=quant_args,
+        num_frames_per_block=FRAMES_PER_CHUNK, num_token_per_frame=TOKENS_PER_FRAME,
+    )  # fmt: skip
     return sgl.Stage._allocate_causal_kv_cache(
         stage, batch_size=1, kv_cache_size=WINDOW_FRAMES * TOKENS_PER_FRAME, num_attention_heads=HEADS,
         attention_head_dim=HEAD_DIM, dtype=dtype, device="cpu", use_int_indices=True,
@@ -138,11 +143,9 @@ def run_installed(sgl, model, dense, dtype, mode: str, quant: dict | None, tile:
 
     from pagedqvg import attention
     from pagedqvg.integrations import sglang as integ
-    from pagedqvg.integrations import sglang_attention
+    from pagedqvg.integrations import sglang_attention, sglang_sessions
 
     integ.install(budget_bytes=64 << 20, attention=mode)
-    caches = allocate(sgl, quant, dtype)
-    assert type(caches[0]).__module__ == integ.__name__, type(caches[0])
     calls = {"pages": 0}
     original, tile_before = sglang_attention.PendingPages.attend, attention.ATTN_TILE_TOKENS
     attend_before = attention.attend_pages
@@ -156,13 +159,22 @@ def run_installed(sgl, model, dense, dtype, mode: str, quant: dict | None, tile:
     if key_noise:  # PendingPages.attend imports attention.attend_pages at call time
         attention.attend_pages = functools.partial(attend_before, key_noise=True)
     try:
-        got = run_loop(sgl, model, caches, dtype)
+        with sglang_sessions.request_scope(None):  # one request, as the stage's forward hook makes it
+            caches = allocate(sgl, quant, dtype)
+            assert type(caches[0]).__module__ == integ.__name__, type(caches[0])
+            pool = caches[0].pool
+            pool.reset_high_water()
+            got = run_loop(sgl, model, caches, dtype)
+            session = {"planned_pages": caches.session.planned_pages, "high_water_pages": pool.stats().high_water_pages}
+        session["pages_after_request"] = pool.num_pages - pool.num_free_pages
+        session["closed"] = caches.session.closed
     finally:
         sglang_attention.PendingPages.attend = original
         attention.ATTN_TILE_TOKENS = tile_before
         attention.attend_pages = attend_before
         integ.uninstall()
-    return {"relative_l2": float((got - dense).norm() / dense.norm()), "attend_from_pages_calls": calls["pages"]}
+    return {"relative_l2": float((got - dense).norm() / dense.norm()), "attend_from_pages_calls": calls["pages"],
+            "session": session}  # fmt: skip
 
 
 def run_fp32_attention(sgl, model, dense, dtype) -> dict:

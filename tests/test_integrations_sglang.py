@@ -468,7 +468,16 @@ def fake_sglang(monkeypatch):
     def original_allocate(self, **kwargs):
         return ["dense buffers"]
 
-    stage = type("CausalDMDDenoisingStage", (), {"_allocate_causal_kv_cache": original_allocate})
+    def forward(self, batch, server_args):  # SGLang's: the stage keeps the caches it allocates
+        self.causal_kv_cache = self._allocate_causal_kv_cache(
+            batch_size=1, kv_cache_size=8, num_attention_heads=1, attention_head_dim=4, dtype=torch.float32,
+            device="cpu",
+        )  # fmt: skip
+        kv = torch.ones(1, 2, 1, 4)
+        self.causal_kv_cache[0].update_and_get_attention_kv(key=kv, value=kv, current_chunk_start=0)
+        return self.causal_kv_cache[0].pool
+
+    stage = type("CausalDMDDenoisingStage", (), {"_allocate_causal_kv_cache": original_allocate, "forward": forward})
     stage.__module__ = integ.STAGE_MODULE
     mods[integ.STAGE_MODULE].CausalDMDDenoisingStage = stage
     mods[integ.STAGE_MODULE].CausalSelfAttentionKVCache = _DenseStandIn
@@ -477,15 +486,18 @@ def fake_sglang(monkeypatch):
     lingbot.__module__ = integ.LINGBOT_STAGE_MODULE
     mods[integ.LINGBOT_STAGE_MODULE].LingBotWorldCausalDMDDenoisingStage = lingbot
     mods[integ.LINGBOT_STAGE_MODULE].QVGPackedCausalKVCache = _QVGStandIn
-    yield types.SimpleNamespace(mods=mods, stage=stage, lingbot=lingbot, View=View, allocate=original_allocate)
+    yield types.SimpleNamespace(
+        mods=mods, stage=stage, lingbot=lingbot, View=View, allocate=original_allocate, forward=forward
+    )
     integ.uninstall()
 
 
 def test_install_patches_every_binding_and_the_allocation(fake_sglang):
-    patched = integ.install(budget_bytes=4 << 20)
+    patched = integ.install(budget_bytes=16 << 20)
     assert set(patched) == {
         f"{integ.STAGE_MODULE}.CausalDMDDenoisingStage._allocate_causal_kv_cache",
         f"{integ.LINGBOT_STAGE_MODULE}.LingBotWorldCausalDMDDenoisingStage._allocate_causal_kv_cache",
+        f"{integ.STAGE_MODULE}.CausalDMDDenoisingStage.forward",
         f"{integ.KVCACHE_MODULE}.CausalSelfAttentionKVCache",
         "sglang.multimodal_gen.runtime.layers.kvcache.CausalSelfAttentionKVCache",
         f"{integ.STAGE_MODULE}.CausalSelfAttentionKVCache",
@@ -493,7 +505,7 @@ def test_install_patches_every_binding_and_the_allocation(fake_sglang):
         f"{integ.STAGE_MODULE}.QVGPackedCausalKVCache",
         f"{integ.LINGBOT_STAGE_MODULE}.QVGPackedCausalKVCache",
     }
-    assert integ.install(budget_bytes=4 << 20) == patched  # idempotent
+    assert integ.install(budget_bytes=16 << 20) == patched  # idempotent
     mods = fake_sglang.mods
     assert mods[integ.KVCACHE_MODULE].CausalSelfAttentionKVCache is PagedCausalSelfAttentionKVCache
     assert mods[integ.LINGBOT_STAGE_MODULE].QVGPackedCausalKVCache is PagedQVGPackedCausalKVCache
@@ -513,7 +525,7 @@ def test_install_patches_every_binding_and_the_allocation(fake_sglang):
     )
     assert [type(c) for c in caches] == [PagedCausalSelfAttentionKVCache] * 3
     assert len({id(c.pool) for c in caches}) == 1 and caches[0].pool is integ.shared_pool("cpu")
-    assert caches[0].pool.page_bytes * caches[0].pool.num_pages <= 4 << 20
+    assert caches[0].pool.page_bytes * caches[0].pool.num_pages <= 16 << 20
     assert (caches[0].cache_size, caches[0].sink_tokens, caches[0].global_end_index_int) == (12, 3, 0)
     view = caches[1].update_and_get_attention_kv(
         key=torch.ones(1, 2, 2, 4, dtype=torch.bfloat16),
@@ -521,6 +533,10 @@ def test_install_patches_every_binding_and_the_allocation(fake_sglang):
         current_chunk_start=0,
     )
     assert type(view) is fake_sglang.View
+
+    free = integ.shared_pool("cpu").num_free_pages
+    pool = stage.forward(None, None)  # one request: the caches written, then closed when forward returns
+    assert pool.num_free_pages == free and stage.causal_kv_cache is None
 
     lingbot = fake_sglang.lingbot()
     lingbot.num_transformer_blocks = 2
@@ -550,6 +566,7 @@ def test_install_patches_every_binding_and_the_allocation(fake_sglang):
     assert mods[integ.KVCACHE_MODULE].CausalSelfAttentionKVCache is _DenseStandIn
     assert mods[integ.STAGE_MODULE].QVGPackedCausalKVCache is _QVGStandIn
     assert fake_sglang.stage.__dict__["_allocate_causal_kv_cache"] is fake_sglang.allocate
+    assert fake_sglang.stage.__dict__["forward"] is fake_sglang.forward
     assert integ.installed() == []
 
 

@@ -233,11 +233,11 @@ def test_a_worker_whose_hooks_sglang_did_not_apply_stops(monkeypatch):
     parts = name.split(".")
     for i in range(1, len(parts) + 1):
         monkeypatch.setitem(sys.modules, ".".join(parts[:i]), types.ModuleType(".".join(parts[:i])))
-    registry = type("HookRegistry", (), {"_patched": {plugin.HOOK_TARGETS[0]}})
+    registry = type("HookRegistry", (), {"_patched": {plugin.HOOK_TARGETS[0], *plugin.FORWARD_TARGETS}})
     sys.modules[name].HookRegistry = registry
     with pytest.raises(SystemExit, match=r"could not apply the hooks on .*LingBotWorld.*PAGEDQVG=off"):
         plugin._require_hooks_applied("spec")
-    registry._patched = set(plugin.HOOK_TARGETS)
+    registry._patched = set(plugin._hook_targets())
     assert plugin._require_hooks_applied("spec") is None
 
 
@@ -266,13 +266,13 @@ def test_pages_mode_requires_its_attention_hook(monkeypatch):
     parts = name.split(".")
     for i in range(1, len(parts) + 1):
         monkeypatch.setitem(sys.modules, ".".join(parts[:i]), types.ModuleType(".".join(parts[:i])))
-    registry = type("HookRegistry", (), {"_patched": set(plugin.HOOK_TARGETS)})
+    registry = type("HookRegistry", (), {"_patched": set(plugin._hook_targets())})
     sys.modules[name].HookRegistry = registry
     before = sglang_attention.set_attention_mode("pages")
     try:
         with pytest.raises(SystemExit, match=r"LocalAttention\.forward"):
             plugin._require_hooks_applied("spec")
-        registry._patched = set(plugin.HOOK_TARGETS) | {plugin.ATTENTION_TARGET}
+        registry._patched = set(plugin._hook_targets()) | {plugin.ATTENTION_TARGET}
         assert plugin._require_hooks_applied("spec") is None
     finally:
         sglang_attention.set_attention_mode(before)
@@ -292,3 +292,42 @@ def test_pages_attention_around_falls_back_to_sglang_for_other_calls():
     assert pages_attention_around(original, object(), q, k, v) == "sglang"
     assert pages_attention_around(original, object(), q, k, v, attn_mask=torch.ones(1)) == "sglang"
     assert len(calls) == 2
+
+
+def test_register_hooks_request_end_and_realtime_release(monkeypatch, caplog):
+    """Active, register() adds to the allocation hooks the AROUND hooks on the causal stages' forward (request end:
+    the allocations' sessions close) and the BEFORE hook on the realtime state's dispose; after a request one log
+    line gives the pool's pages in use and the open sessions."""
+    import logging
+    import sys
+    import types
+
+    from pagedqvg.integrations import sglang_sessions
+
+    for key in [k for k in __import__("os").environ if k.startswith("PAGEDQVG")]:
+        monkeypatch.delenv(key)
+    monkeypatch.setenv("PAGEDQVG_BUDGET", "64MiB")
+    monkeypatch.setattr(plugin, "_check_sglang_version", lambda: None)
+    name = "sglang.multimodal_gen.runtime.platforms.plugins"
+    parts = name.split(".")
+    for i in range(1, len(parts) + 1):
+        monkeypatch.setitem(sys.modules, ".".join(parts[:i]), types.ModuleType(".".join(parts[:i])))
+    hooks = {}
+    hook_type = types.SimpleNamespace(AROUND="around", BEFORE="before")
+    sys.modules[name].HookType = hook_type
+    sys.modules[name].plugin_hook = lambda target, kind: lambda fn: hooks.setdefault(target, (kind, fn))
+    monkeypatch.setattr(sglang_sessions, "request_listeners", [])
+    monkeypatch.setattr(integ, "_cache_listeners", [])
+    try:
+        plugin.register()
+        for target in plugin.FORWARD_TARGETS:
+            assert hooks[target] == ("around", sglang_sessions.forward_around)
+        assert hooks[plugin.DISPOSE_TARGET] == ("before", sglang_sessions.dispose_before)
+        assert set(plugin._hook_targets()) <= set(hooks)
+        pool = BlockPool(capacity_bytes=4 * MiB, page_bytes=4096)
+        with caplog.at_level(logging.INFO, logger="pagedqvg.sglang"):
+            plugin._log_request_end(_Stage(), [pool])
+        assert f"_Stage request done; pool cpu: 0 of {pool.num_pages} pages in use; 0 open sessions" in caplog.text
+    finally:
+        integ._config.update(pool=None, memory_fraction=None, budget_bytes=None, quant=None)
+        sglang_sessions.forget_managers()

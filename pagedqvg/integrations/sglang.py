@@ -38,9 +38,10 @@ from ..cache import PagedCausalKVCache
 from ..errors import CacheConfigError, IntegrationError
 from ..quant import QuantConfig
 from ..quant.config import SGLANG_KEYS
-from ..validation import SUPPORTED_DTYPES
+from ..validation import SUPPORTED_DTYPES, check_int
 from ..view import CausalAttentionKVView
 from . import sglang_attention as _attention
+from . import sglang_sessions as _sessions
 
 __all__ = [
     "PagedCausalSelfAttentionKVCache",
@@ -60,11 +61,22 @@ LINGBOT_STAGE_MODULE = (
     "sglang.multimodal_gen.runtime.pipelines_core.stages.model_specific_stages.lingbot_world."
     "lingbot_world_causal_denoising"
 )
+LONGLIVE2_STAGE_MODULE = "sglang.multimodal_gen.runtime.pipelines_core.stages.model_specific_stages.longlive2"
+#: SGLang's realtime session state that keeps a stage's caches across chunk calls (sglang_sessions.dispose_before).
+REALTIME_STATE_MODULE = "sglang.multimodal_gen.runtime.realtime.states.causal"
+#: Stage classes whose `forward` is one request (sglang_sessions.forward_around): (module, class name).
+FORWARD_STAGES = (
+    (STAGE_MODULE, "CausalDMDDenoisingStage"),
+    (LONGLIVE2_STAGE_MODULE, "LongLive2CausalDenoisingStage"),
+    (LINGBOT_STAGE_MODULE, "LingBotWorldCausalDMDDenoisingStage"),
+)
 #: Modules install() imports (when importable) so that their bindings are patched too.
 BINDING_MODULES = (
     "sglang.multimodal_gen.runtime.layers.kvcache",
     STAGE_MODULE,
     LINGBOT_STAGE_MODULE,
+    LONGLIVE2_STAGE_MODULE,
+    REALTIME_STATE_MODULE,
     "sglang.multimodal_gen.runtime.models.dits.causal_wanvideo",
     "sglang.multimodal_gen.runtime.models.dits.lingbot_world",
     "sglang.multimodal_gen.runtime.models.dits.longlive2",
@@ -735,6 +747,15 @@ def _stage_quant(stage: Any) -> Any:
     return quant if bool(getattr(quant, "enabled", False)) else None
 
 
+def _check_allocation(stage: str, *sizes: object) -> None:
+    """CacheConfigError naming the first allocation size (the stage's num_transformer_blocks, batch_size,
+    kv_cache_size, num_attention_heads, attention_head_dim) that is not an int >= 1."""
+    names = ("num_transformer_blocks", "batch_size", "kv_cache_size", "num_attention_heads", "attention_head_dim")
+    wording = f"{stage}._allocate_causal_kv_cache: {{name}} must be an int >= 1, got {{value!r}}"
+    for name, value in zip(names, sizes, strict=True):
+        check_int(name, value, minimum=1, error=CacheConfigError, message=wording, type_message=wording)
+
+
 def build_paged_caches(
     stage: Any,
     *,
@@ -755,6 +776,8 @@ def build_paged_caches(
     QVG path refuses) when `_stage_quant(stage)` is on, else `PagedCausalSelfAttentionKVCache`. O(blocks)."""
     if attention_window_size is None:
         attention_window_size = kv_cache_size
+    blocks = getattr(stage, "num_transformer_blocks", None)
+    _check_allocation(type(stage).__name__, blocks, batch_size, kv_cache_size, num_attention_heads, attention_head_dim)
     quant_args = _stage_quant(stage)
     shape = (batch_size, kv_cache_size, num_attention_heads, attention_head_dim)
     policy = dict(
@@ -763,11 +786,11 @@ def build_paged_caches(
         attention_window_size=attention_window_size,
         allow_growth=allow_growth,
     )
-    blocks = stage.num_transformer_blocks
     if quant_args is not None:
         caches = _packed_caches(blocks, shape, dtype, device, use_int_indices, quant_args, policy)
     else:
         caches = _dense_caches(blocks, shape, dtype, device, use_int_indices, policy)
+    caches = _sessions.admit(stage, caches, allow_growth=allow_growth)  # one session: admitted, closed at request end
     for listener in list(_cache_listeners):
         listener(stage, caches)
     return caches
@@ -885,6 +908,46 @@ def _patch_bindings(done: list[str]) -> None:
                     _patch(module, attr, cls, f"{mod_name}.{attr}", done)
 
 
+def _patch_stages(modules: dict[str, Any], done: list[str]) -> None:
+    """The stages' `_allocate_causal_kv_cache` (paged caches, one session per call), their `forward` (one request
+    scope: sglang_sessions.forward_around) and the realtime state's `dispose` (sglang_sessions.dispose_before)."""
+    stage_classes = [getattr(modules.get(m), name, None) for m, name in FORWARD_STAGES]
+    for cls in stage_classes:
+        if isinstance(cls, type) and "_allocate_causal_kv_cache" in cls.__dict__:
+            original = cls.__dict__["_allocate_causal_kv_cache"]
+            label = f"{cls.__module__}.{cls.__qualname__}._allocate_causal_kv_cache"
+            _patch(cls, "_allocate_causal_kv_cache", _paged_allocate(original), label, done)
+    for cls in stage_classes:
+        if isinstance(cls, type) and "forward" in cls.__dict__:
+            label = f"{cls.__module__}.{cls.__qualname__}.forward"
+            _patch(cls, "forward", _scoped_forward(cls.__dict__["forward"]), label, done)
+    state = getattr(modules.get(REALTIME_STATE_MODULE), "RealtimeCausalDiTState", None)
+    if isinstance(state, type) and "dispose" in state.__dict__:
+        _patch(state, "dispose", _disposing(state.__dict__["dispose"]), f"{REALTIME_STATE_MODULE}.dispose", done)
+
+
+def _scoped_forward(original):
+    """A stage's `forward` for `install()`: one request scope around SGLang's (sglang_sessions.forward_around)."""
+
+    def forward(self, *args, **kwargs):
+        return _sessions.forward_around(original, self, *args, **kwargs)
+
+    forward.__wrapped__ = original  # type: ignore[attr-defined]
+    forward.__doc__ = _scoped_forward.__doc__
+    return forward
+
+
+def _disposing(original):
+    """`RealtimeCausalDiTState.dispose` for `install()`: the state's caches closed first (dispose_before)."""
+
+    def dispose(self, *args, **kwargs):
+        _sessions.dispose_before(self)
+        return original(self, *args, **kwargs)
+
+    dispose.__wrapped__ = original  # type: ignore[attr-defined]
+    return dispose
+
+
 def install(
     *,
     pool: BlockPool | None = None,
@@ -922,20 +985,7 @@ def install(
         if not _patches:
             _originals[_CLASS_NAMES[0]] = getattr(modules[KVCACHE_MODULE], _CLASS_NAMES[0])
             _originals[_CLASS_NAMES[1]] = getattr(modules[QVG_MODULE], _CLASS_NAMES[1])
-            stage_classes = [getattr(modules[STAGE_MODULE], "CausalDMDDenoisingStage", None)]
-            lingbot = modules.get(LINGBOT_STAGE_MODULE)
-            if lingbot is not None:
-                stage_classes.append(getattr(lingbot, "LingBotWorldCausalDMDDenoisingStage", None))
-            for cls in stage_classes:
-                if isinstance(cls, type) and "_allocate_causal_kv_cache" in cls.__dict__:
-                    original = cls.__dict__["_allocate_causal_kv_cache"]
-                    _patch(
-                        cls,
-                        "_allocate_causal_kv_cache",
-                        _paged_allocate(original),
-                        f"{cls.__module__}.{cls.__qualname__}._allocate_causal_kv_cache",
-                        done,
-                    )
+            _patch_stages(modules, done)
         _patch_bindings(done)
         if mode == "pages":
             _attention.patch_attention(_patch, done)
@@ -976,6 +1026,7 @@ def uninstall() -> list[str]:
         _patches.clear()
         _originals.clear()
         _pools.clear()
+        _sessions.forget_managers()
         _config.update(pool=None, memory_fraction=None, budget_bytes=None, quant=None)
         _attention.set_attention_mode("view")
         return restored

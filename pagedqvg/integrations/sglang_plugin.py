@@ -27,8 +27,10 @@ activations need); without one each process logs how to turn it on. Any bad valu
 which would fall back silently to SGLang's caches; `SystemExit` is not an `Exception`).
 
 Registration only (as `load_plugins()` documents): `register()` parses the variables and registers AROUND hooks
-with SGLang's `plugin_hook` on the stages' `_allocate_causal_kv_cache`; SGLang's `apply_plugin_hooks()` applies
-them (and re-points every module bound to the originals). The pool is built on each worker's device at its first
+with SGLang's `plugin_hook` on the stages' `_allocate_causal_kv_cache` and `forward` (each allocation's caches one
+session of the pool, closed when the request's forward returns or raises: sglang_sessions.py) and a BEFORE hook on the
+realtime state's `dispose`; SGLang's `apply_plugin_hooks()` applies them (and re-points every module bound to the
+originals). The pool is built on each worker's device at its first
 cache, so every rank of a multi-GPU run has its own pool of the given budget.
 """
 
@@ -73,6 +75,15 @@ HOOK_TARGETS = (
     f"{_STAGES}.model_specific_stages.lingbot_world.lingbot_world_causal_denoising."
     "LingBotWorldCausalDMDDenoisingStage._allocate_causal_kv_cache",
 )
+#: Request end and realtime release (sglang_sessions): AROUND hooks on the causal stages' forward, a BEFORE hook
+#: on the realtime state's dispose; each allocation's caches are a session closed there.
+FORWARD_TARGETS = (
+    f"{_STAGES}.causal_denoising.CausalDMDDenoisingStage.forward",
+    f"{_STAGES}.model_specific_stages.longlive2.LongLive2CausalDenoisingStage.forward",
+    f"{_STAGES}.model_specific_stages.lingbot_world.lingbot_world_causal_denoising."
+    "LingBotWorldCausalDMDDenoisingStage.forward",
+)
+DISPOSE_TARGET = "sglang.multimodal_gen.runtime.realtime.states.causal.RealtimeCausalDiTState.dispose"
 #: The attention layer every causal self-attention of SGLang 0.5.23 calls with the view's K and V (pages mode).
 ATTENTION_TARGET = "sglang.multimodal_gen.runtime.layers.attention.layer.LocalAttention.forward"
 #: Resolved from its module after hook application in every SGLang worker (worker_bootstrap.py).
@@ -301,7 +312,29 @@ def _hook_targets() -> tuple[str, ...]:
     """The targets this process's hooks must have patched: the allocations, and the attention layer in pages mode."""
     from .sglang_attention import attention_mode
 
-    return HOOK_TARGETS + ((ATTENTION_TARGET,) if attention_mode() == "pages" else ())
+    pages = (ATTENTION_TARGET,) if attention_mode() == "pages" else ()
+    return HOOK_TARGETS + FORWARD_TARGETS + (DISPOSE_TARGET,) + pages
+
+
+def _register_session_hooks(plugin_hook: Any, hook_type: Any) -> None:
+    """The request-end and realtime-release hooks of sglang_sessions, and a log line of the pool after each
+    request."""
+    from . import sglang_sessions as sessions
+
+    for target in FORWARD_TARGETS:
+        plugin_hook(target, hook_type.AROUND)(sessions.forward_around)
+    plugin_hook(DISPOSE_TARGET, hook_type.BEFORE)(sessions.dispose_before)
+    if _log_request_end not in sessions.request_listeners:
+        sessions.request_listeners.append(_log_request_end)
+
+
+def _log_request_end(stage: Any, pools: list) -> None:
+    """One line per request: the pages each pool holds after it (0 unless a realtime session keeps caches)."""
+    from . import sglang_sessions as sessions
+
+    held = ", ".join(f"{p.device}: {p.num_pages - p.num_free_pages} of {p.num_pages} pages in use" for p in pools)
+    opened = sum(sessions.manager_for(p).open_sessions for p in pools)
+    _say(logging.INFO, f"pagedqvg: {type(stage).__name__} request done; pool {held or 'none'}; {opened} open sessions")
 
 
 def register() -> None:
@@ -331,6 +364,7 @@ def register() -> None:
 
         set_attention_mode("pages")
         plugin_hook(ATTENTION_TARGET, HookType.AROUND)(pages_attention_around)
+    _register_session_hooks(plugin_hook, HookType)
     plugin_hook(WORKER_TARGET, HookType.BEFORE)(_require_hooks_applied)
     if _announce_first_caches not in integ._cache_listeners:
         integ._cache_listeners.append(_announce_first_caches)
