@@ -243,6 +243,8 @@ def attend_pages(
     the cache dtype (checked by the caller). Returns `[B, Tq, Hin, D]` in the query dtype. Transient bytes:
     `attention_scratch_bytes`; O(Tq · T · Hin · D) flops. Tile sizes default to `ATTN_TILE_TOKENS` and
     `ATTN_QUERY_TILE` (read at call time)."""
+    if plan.extras:  # a tiered view with a second packed format (tier_stores.py): attend over the built view
+        return attend_built_view(io, plan, head_start, query, scale, query_tile or ATTN_QUERY_TILE)
     if io.backend == "triton":
         return _attend_pages_triton(io, plan, head_start, query, scale)
     tile_tokens = ATTN_TILE_TOKENS if tile_tokens is None else tile_tokens
@@ -257,4 +259,20 @@ def attend_pages(
         kv = buf[: 2 * B * tile.tokens * hin * D].view(2, B, tile.tokens, hin, D)
         io.build_view(tile, head_start, hin, kv)
         merged.add(*tile_attention(q, kv[0].transpose(1, 2), kv[1].transpose(1, 2), scale, query_tile))
+    return merged.result(query.dtype)
+
+
+def attend_built_view(
+    io: PageIO, plan: ViewPlan, head_start: int, query: torch.Tensor, scale: float, query_tile: int
+) -> torch.Tensor:
+    """The fallback of `attend_pages` for views holding packed runs of more than one format (a tiered cache,
+    `ViewPlan.extras`): build the whole view (`PageIO.build_view`: one `view_runs` plus one read per other format)
+    and attend over it in one `tile_attention` (zero rows are in it as zeros: keys of score 0 and value 0, as SDPA
+    over the view). Transient memory: the view's K/V (`2 * B * T * Hin * D` elements) instead of one tile."""
+    B, Tq, hin, D = query.shape
+    kv = torch.empty(2, B, plan.tokens, hin, D, dtype=io.dtype, device=io.device)
+    io.build_view(plan, head_start, hin, kv)
+    merged = LseMerge(B, hin, Tq, D, query.dtype, query.device)
+    q = query.transpose(1, 2)
+    merged.add(*tile_attention(q, kv[0].transpose(1, 2), kv[1].transpose(1, 2), scale, query_tile))
     return merged.result(query.dtype)
