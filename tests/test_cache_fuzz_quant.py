@@ -1139,5 +1139,36 @@ def test_state_machine_tiered():
     print(f"tiered state machine: {ran} steps, largest packed-row error ratio {MAX_RATIO[0]:.3f}; {dict(counts)}")
     assert ran >= (400 if profile == "ci" else 1)
     assert MAX_RATIO[0] <= ERR_BOUND
-    if profile == "ci":  # the machine really ages chunks (a fixed number of examples: deterministic per profile)
-        assert sum(v for k, v in counts.items() if k.startswith("repacks (aging)")) > 0, dict(counts)
+
+
+def test_program_tiers_age_rewrite_rewind_pin():
+    """A deterministic tiered program through the machine's checks: the sink in int2, recent int4, history int2
+    (chunks age int4 -> int2 from their decoded values), a head-sliced rewrite of an aged chunk (unpack), a scene cut
+    pinning the current chunk as the sink, a rewind into an aged chunk, a reset."""
+    P, Dn = "packed", "dense"
+    q = QuantConfig(bits=2, centroids=3, block_size=4, keep_recent_chunks=1, sink_format="int2", recent_format="int4")
+    before = Counter(COUNTS)
+    m = run_program(
+        dict(C=20, S=4, H=2, B=2),
+        [
+            ("w", 0, 0, 4),
+            ("w", 0, 4, 4),
+            ("w", 0, 8, 4),  # chunk 1 int4 (recent), the sink int2
+            ("w", 0, 12, 4),  # chunk 1 ages into int2, chunk 2 int4
+            ("expect", 0, [(0, 4, P), (4, 8, P), (8, 12, P), (12, 16, Dn)]),
+            ("w", 0, 5, 2, 1, 1),  # a head-sliced rewrite inside aged chunk 1 unpacks it
+            ("expect", 0, [(0, 4, P), (4, 8, Dn), (8, 12, P), (12, 16, Dn)]),
+            ("w", 0, 16, 4),  # chunk 1 back to int2 (history), chunk 2 ages, chunk 3 int4
+            ("pin", 0, 4),
+            ("w", 0, 20, 3),
+            ("rewind", 0, 10),  # into aged chunk 2: keeps its codebooks and 2 tokens
+            ("expect", 0, [(0, 4, P), (4, 8, P), (8, 10, P)]),
+            ("w", 0, 10, 4),
+            ("w", 0, 14, 4),
+            ("reset", 0),
+        ],
+        quant=q,
+    )
+    repacks = sum(v for k, v in (COUNTS - before).items() if k.startswith("repacks (aging)"))
+    assert repacks >= 2 and (COUNTS - before)["packed rows checked"] > 0, dict(COUNTS - before)
+    assert m.cfg["quant"].tiered
