@@ -207,7 +207,8 @@ class ChunkPacker:
         except ValueError as exc:
             self.skipped += 1
             entry.value.pack_failed = True
-            warnings.warn(f"{name}: chunk [{entry.start}, {entry.end}) stays unpacked: {exc}", stacklevel=4)
+            kept = "unpacked" if not entry.value.packed else f"in {self.format_of(entry.value)}"
+            warnings.warn(f"{name}: chunk [{entry.start}, {entry.end}) stays {kept}: {exc}", stacklevel=4)
             return False
         except Exception as exc:  # e.g. torch.OutOfMemoryError: this call's write must still happen
             self.skipped += 1
