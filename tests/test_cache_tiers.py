@@ -35,7 +35,7 @@ from helpers import (  # sets TRITON_INTERPRET
 )
 
 from pagedqvg import BlockPool, CacheConfigError, PagedCausalKVCache, QuantConfig
-from pagedqvg.allocator.pool import PoolStats
+from pagedqvg.allocator.pool import PoolStats, debug_state
 from pagedqvg.errors import PackingFailedWarning
 from pagedqvg.quant.fp8 import Fp8Format
 
@@ -232,13 +232,18 @@ def test_pressure_packs_use_the_historys_format():
 )  # fmt: skip
 def test_tiers_the_cache_cannot_hold_are_typed_errors(quant, head_dim, page_bytes, words):
     pool = BlockPool(capacity_bytes=32 * page_bytes, page_bytes=page_bytes)
-    before = pool.stats()
+    other = make_cache(None, pool=pool, head_dim=head_dim)  # a neighbour holding pages: the snapshot must not move
+    advance_k = torch.zeros(1, N, H, head_dim, dtype=torch.bfloat16)
+    other.update_and_get_attention_kv(key=advance_k, value=advance_k, current_chunk_start=0)
+    before = (pool.stats(), debug_state(pool), pool.arena.clone())
     with pytest.raises(CacheConfigError) as info:
         make_cache(quant, pool=pool, head_dim=head_dim)
     for w in words:
         assert w in str(info.value), (w, str(info.value))
-    assert pool.stats().used_pages == before.used_pages == 0
+    after = (pool.stats(), debug_state(pool), pool.arena.clone())
+    assert after[:2] == before[:2] and torch.equal(after[2], before[2])
     pool.check()
+    other.close()
 
 
 def test_untiered_configs_hold_one_store_and_no_format_keys():
