@@ -8,6 +8,11 @@ Shapes (LingBot-World): 40 heads, or 20 per Ulysses rank; head_dim 128; 1,560 to
 quantized for real by the cache as it fills). `--tiny`: 2 heads of 32, 16-token frames (interpreter smoke run).
 Self-check per line: the kernel's error against fp64 attention over the view (first 64 query rows) within 1.5x
 SDPA-on-view's error in the same dtype; FlashInfer's output within the same bound when it runs.
+
+Split-KV (kernels/triton_attention_split.py): under each line, `update_and_attend` timed with the keys forced into
+S = 1 (one launch), 2, 4, 8 ranges and the heuristic's pick (`*`; `attention_split.choose_splits` with this GPU's
+SM count), for the full chunk's queries and for a short query (`SHORT_QUERY` rows: few query blocks, where the
+heuristic splits), each with its speedup over S = 1 and the same self-check (every S must pass).
 """
 
 from __future__ import annotations
@@ -23,6 +28,12 @@ from pagedqvg import BlockPool, PagedCausalKVCache, QuantConfig
 MODES = {"off": None, "int2": QuantConfig(bits=2), "compact": QuantConfig.compact()}
 TINY_MODES = {"off": None, "int2": QuantConfig(bits=2, centroids=8, block_size=16),
               "compact": QuantConfig.compact(centroids=8, block_size=32)}  # fmt: skip
+
+
+#: Key ranges timed against one launch (forced through `attention_split.set_forced_splits`).
+SPLITS = (1, 2, 4, 8)
+#: Query rows of the short-query split lines (4 query blocks of 64; 16 with --tiny).
+SHORT_QUERY = 256
 
 
 def _timed(fn, device: torch.device, iters: int) -> float:
@@ -131,7 +142,42 @@ def bench_attention(device: torch.device, dtype: torch.dtype, tiny: bool, iters:
                       f"ours {t_ours * 1e3:8.3f} ms  view+SDPA {t_view * 1e3:8.3f} ms ({t_view / t_ours:.2f}x)  "
                       f"error {e_ours:.3g} vs SDPA {e_sdpa:.3g} {'ok' if good else 'OVER 1.5x'}; {fi_text}")
                 ok &= good
+                ok &= _split_lines(c, q, k, v, s, view, mode != "off", iters, 16 if tiny else SHORT_QUERY)
                 del c, view
                 if device.type == "cuda":
                     torch.cuda.empty_cache()
+    return ok
+
+
+def _split_lines(c, q, k, v, s, view, packed: bool, iters: int, short: int) -> bool:
+    """Time `update_and_attend` at each forced S of `SPLITS` and the heuristic's pick, for the full query `q` and
+    its first `short` rows; each output checked against fp64 over `view` (first 64 query rows) within 1.5x
+    SDPA-on-view's error. One printed line per query length; True when every check passed."""
+    from pagedqvg.kernels import attention_split as asp
+    from pagedqvg.kernels.triton_attention import BLOCK_M, BLOCK_N, BLOCK_N_PACKED
+
+    device, (_, T, heads, _) = q.device, view.k.shape
+    ok, m = True, 64
+    try:
+        for label, qq in (("chunk", q), (f"{short} queries", q[:, :short])):
+            ref = _sdpa(qq[:, :m].double(), view.k.double(), view.v.double())
+            e_sdpa = (_sdpa(qq[:, :m], view.k, view.v).double() - ref).norm().item()
+            auto = asp.choose_splits(-(-qq.shape[1] // BLOCK_M), heads, T, asp.sm_count(device),
+                                     BLOCK_N_PACKED if packed else BLOCK_N)  # fmt: skip
+            parts, base = [], None
+            for n in sorted({*SPLITS, auto}):
+                asp.set_forced_splits(n)
+
+                def call(qq=qq):
+                    return c.update_and_attend(qq, key=k, value=v, current_chunk_start=s)
+
+                t = _timed(call, device, iters)
+                base = t if n == 1 else base
+                good = (call()[:, :m].double() - ref).norm().item() <= 1.5 * e_sdpa
+                ok &= good
+                parts.append(f"S={n}{'*' if n == auto else ''} {t * 1e3:.3f} ms ({base / t:.2f}x)"
+                             + ("" if good else " OVER 1.5x"))  # fmt: skip
+            print(f"      split-KV, {label}: " + "; ".join(parts))
+    finally:
+        asp.set_forced_splits(None)
     return ok

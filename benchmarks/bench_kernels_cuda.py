@@ -651,6 +651,8 @@ def check_spills(device: torch.device) -> bool:
     `n_regs`/`n_spills`); the AOT table (`python -m pagedqvg.kernels.triton_aot --report`) says 0 spills for every
     kernel at sm_90, so a spill here means the GPU's toolchain disagrees. True when none spills."""
     from pagedqvg.kernels import (
+        triton_attention,
+        triton_attention_split,
         triton_dequant,
         triton_kmeans,
         triton_page_write,
@@ -661,7 +663,7 @@ def check_spills(device: torch.device) -> bool:
 
     ok, seen = True, 0
     for mod in (triton_page_write, triton_view_build, triton_view_runs, triton_dequant, triton_kmeans,
-                triton_residual_pack):  # fmt: skip
+                triton_residual_pack, triton_attention, triton_attention_split):  # fmt: skip
         for name in dir(mod):
             kernel = getattr(mod, name)
             caches = getattr(kernel, "device_caches", None)

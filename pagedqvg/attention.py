@@ -219,7 +219,8 @@ def plan_sources(io: PageIO, plan: ViewPlan) -> tuple:
 
 def _attend_pages_triton(io: PageIO, plan: ViewPlan, head_start: int, query: torch.Tensor, scale: float):
     """The Triton backend's `attend_pages`: one launch of the attention kernel over the plan (no tiles, no
-    scratch besides the output)."""
+    scratch besides the output), or for calls with few query blocks x heads the split-KV pair
+    (kernels/triton_attention_split.py; partials scratch: `attention_budget.split_scratch_bytes`)."""
     from .kernels.triton_attention import attend_triton  # lazily: importing pagedqvg never imports triton
 
     out = torch.empty(query.shape, dtype=query.dtype, device=query.device)

@@ -4,6 +4,8 @@
 
 from __future__ import annotations
 
+from functools import lru_cache
+
 import torch
 
 #: Key rows per tile (tokens of the view decoded at a time).
@@ -50,3 +52,83 @@ def packed_decode_bytes(batch: int, cache_heads: int, head_dim: int, tile_tokens
     return codebooks + tokens + index + 8 * step * 4
 
 
+# ------------------------------------------------------------------ Triton split-KV attention: sizing (kernel-free)
+# The heuristic and the bytes of kernels/triton_attention_split.py (kernels/attention_split.py explains the split
+# and holds its torch reference); here so that the planner counts them without importing the kernels package.
+def _cdiv(a: int, b: int) -> int:
+    return -(-a // b)
+
+
+#: Multiprocessors assumed when the tensors are not on CUDA (the interpreter; H100/H200 SXM have 132).
+DEFAULT_SM_COUNT = 132
+#: Attention programs resident per multiprocessor (8 warps and up to 255 registers per thread: one per SM).
+PROGRAMS_PER_SM = 1
+#: Most key ranges of one call.
+MAX_SPLITS = 32
+#: Fewest keys per range (tokens): a range shorter than this does not pay for its partial's write and read.
+MIN_SPLIT_KEYS = 512
+#: Key-block iterations a program costs besides its key blocks (query load, partial store, run-table search).
+PROGRAM_OVERHEAD_BLOCKS = 2
+#: A split is taken only when its modelled cost is at most this fraction of one launch's.
+SPLIT_GAIN = 0.9
+#: Most programs of a split partials launch (bounds its scratch: at most this many `BLOCK_M x (D + 2)` partials).
+MAX_SPLIT_PROGRAMS = 8 * DEFAULT_SM_COUNT
+#: The attention kernels' blocks (kernels/triton_attention.py `BLOCK_M`, `BLOCK_N`, `BLOCK_N_PACKED`; a test checks
+#: they agree), for sizing a call without importing triton (`triton_attend_bytes`).
+KERNEL_BLOCK_M, KERNEL_BLOCK_N, KERNEL_BLOCK_N_PACKED = 64, 64, 32
+
+
+def split_cost(programs: int, n_keys: int, splits: int, slots: int, block_n: int) -> int:
+    """Modelled cost of `splits` key ranges (key-block iterations on the busiest multiprocessor;
+    the model: kernels/attention_split.py)."""
+    waves = _cdiv(programs * splits, slots)
+    blocks = _cdiv(_cdiv(n_keys, splits), block_n) + PROGRAM_OVERHEAD_BLOCKS
+    merge = _cdiv(programs, slots) * (splits + 1) if splits > 1 else 0
+    return waves * blocks + merge
+
+
+@lru_cache(maxsize=4096)  # per call on the hot path: a dict hit instead of up to MAX_SPLITS cost evaluations
+def choose_splits(q_blocks: int, heads: int, n_keys: int, sms: int, block_n: int) -> int:
+    """Key ranges for a call of `q_blocks` query blocks x `heads` (batch x heads) programs over `n_keys` keys on
+    `sms` multiprocessors with key blocks of `block_n` rows (the model: kernels/attention_split.py). O(MAX_SPLITS)."""
+    programs, slots = q_blocks * heads, max(1, sms * PROGRAMS_PER_SM)
+    limit = min(MAX_SPLITS, n_keys // MIN_SPLIT_KEYS, MAX_SPLIT_PROGRAMS // max(1, programs))
+    one = split_cost(programs, n_keys, 1, slots, block_n)
+    best, best_cost = 1, one
+    for s in range(2, limit + 1):
+        c = split_cost(programs, n_keys, s, slots, block_n)
+        if c < best_cost:
+            best, best_cost = s, c
+    return best if best_cost <= SPLIT_GAIN * one else 1
+
+
+def split_keys(n_keys: int, splits: int) -> tuple[int, int]:
+    """`(keys per range, ranges)`: `c = ceil(n_keys / splits)` and the `ceil(n_keys / c)` non-empty ranges that
+    cover `[0, n_keys)` (at most `splits`; 1 range for no keys)."""
+    if splits < 1:
+        raise ValueError(f"splits={splits}: must be >= 1")
+    c = max(1, _cdiv(n_keys, splits))
+    return c, max(1, _cdiv(n_keys, c))
+
+
+def split_scratch_bytes(splits: int, batch: int, query_tokens: int, heads: int, head_dim: int,
+                        dtype: torch.dtype) -> int:  # fmt: skip
+    """Bytes of a split call's partials (kernels/attention_split.py): `S·B·Tq·hin·(D + 2)` accumulator elements
+    (4 bytes; 8 for fp32 caches); 0 for `splits == 1` (one launch, no partials)."""
+    if splits <= 1:
+        return 0
+    acc = 8 if dtype == torch.float32 else 4
+    return splits * batch * query_tokens * heads * (head_dim + 2) * acc
+
+
+def triton_attend_bytes(batch: int, query_tokens: int, heads: int, head_dim: int, dtype: torch.dtype,
+                        view_tokens: int, *, packed: bool, sms: int = DEFAULT_SM_COUNT) -> int:  # fmt: skip
+    """Bytes one `update_and_attend` call allocates on the Triton backend: its output `[B, Tq, heads, D]` plus the
+    partials (`split_scratch_bytes`) of the split `choose_splits` picks for `view_tokens` keys on `sms`
+    multiprocessors (0 for one launch). Whatever the window, at most the output plus
+    `MAX_SPLIT_PROGRAMS x KERNEL_BLOCK_M x (D + 2)` accumulator elements."""
+    block_n = KERNEL_BLOCK_N_PACKED if packed else KERNEL_BLOCK_N
+    s = choose_splits(_cdiv(query_tokens, KERNEL_BLOCK_M), batch * heads, view_tokens, sms, block_n)
+    s = split_keys(view_tokens, s)[1]
+    out = batch * query_tokens * heads * head_dim * dtype.itemsize
+    return out + split_scratch_bytes(s, batch, query_tokens, heads, head_dim, dtype)

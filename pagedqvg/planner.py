@@ -46,7 +46,7 @@ from dataclasses import dataclass
 import torch
 
 from .allocator import RangeEntry
-from .attention_budget import ATTN_TILE_TOKENS, attention_scratch_bytes, packed_decode_bytes
+from .attention_budget import ATTN_TILE_TOKENS, attention_scratch_bytes, packed_decode_bytes, triton_attend_bytes
 from .layout import DenseTokenLayout, PackedSegmentLayout, PageChoice, choose_page_bytes, dtype_itemsize, segment_kinds
 from .policy import pack_targets, sink_segment_starts, tier_targets
 from .presets import Workload
@@ -224,7 +224,8 @@ class Geometry:
     def transient_bytes(self, view_tokens: int) -> int:
         """Bytes one layer's call needs outside the pool: its K/V view of `view_tokens` tokens (`attention="view"`),
         or `update_and_attend`'s scratch (`"pages"`, attention.py: `attention_scratch_bytes` for the chunk's query
-        rows plus `packed_decode_bytes` when packed; independent of the window)."""
+        rows plus `packed_decode_bytes` when packed, independent of the window; or, when larger, the Triton path's
+        output and split-KV partials, `triton_attend_bytes`, bounded whatever the window)."""
         if self.attention == "view":
             return self.view_bytes(view_tokens)
         args = (self.batch_size, self.chunk_tokens, self.heads, self.head_dim, self.dtype)
@@ -232,7 +233,7 @@ class Geometry:
         fmt = self.packed_format()
         if fmt is not None:
             scratch += packed_decode_bytes(self.batch_size, self.heads, self.head_dim, ATTN_TILE_TOKENS, fmt)
-        return scratch
+        return max(scratch, triton_attend_bytes(*args, view_tokens, packed=fmt is not None))
 
     def cache_kwargs(self) -> dict[str, object]:
         """Keyword arguments of `PagedCausalKVCache` for this geometry (pool, device, quant and name excluded)."""

@@ -42,6 +42,13 @@ PINNED = {
     "attention/int4": "BLOCK_M=64 BLOCK_N=32 BLOCK_D=128 warps=8",
     "attention/int2": "BLOCK_M=64 BLOCK_N=32 BLOCK_D=128 warps=8",
     "attention/compact": "BLOCK_M=64 BLOCK_N=32 BLOCK_D=128 warps=8",
+    # Split-KV pair (triton_attention_split.py, reported at triton_resources.REPORT_SPLITS ranges): the same blocks.
+    "attention_split/index": "BLOCK_M=64 BLOCK_N=64 BLOCK_D=128 warps=8",
+    "attention_split/dense": "BLOCK_M=64 BLOCK_N=64 BLOCK_D=128 warps=8",
+    "attention_split/int4": "BLOCK_M=64 BLOCK_N=32 BLOCK_D=128 warps=8",
+    "attention_split/int2": "BLOCK_M=64 BLOCK_N=32 BLOCK_D=128 warps=8",
+    "attention_split/compact": "BLOCK_M=64 BLOCK_N=32 BLOCK_D=128 warps=8",
+    "attention_merge": "BLOCK_M=64 BLOCK_D=128 warps=8",
 }
 SHAPES = ("lingbot-world", "lingbot-world/ulysses2", "longlive2", "self-forcing")
 #: sm_90's shared memory per block (227 KiB) and registers per thread.

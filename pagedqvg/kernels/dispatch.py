@@ -56,7 +56,7 @@ _VALID = ("auto", "torch", "triton")
 #: The Triton kernel modules; all import, or the Triton backend is unavailable (auto falls back to torch).
 _TRITON_MODULES = (
     "triton_page_write", "triton_view_build", "triton_view_runs", "triton_dequant", "triton_kmeans",
-    "triton_residual_pack", "triton_attention",
+    "triton_residual_pack", "triton_attention", "triton_attention_split",
 )  # fmt: skip
 
 

@@ -25,7 +25,8 @@ Output `acc / l` cast to the query dtype. Nothing is allocated besides the outpu
 
 Compile-time constants: `HEAD_DIM`, the blocks, the plan kind, the PRQ format (per layer); the query length, the
 view length, the run count, the head slice and the scale are runtime arguments (one compile per layer shape).
-Not done: splitting a long window over programs with a merge launch (one program walks the whole window).
+`attend_triton` launches this kernel alone, or (for calls with few query blocks x heads over many keys) the
+split-KV pair of triton_attention_split.py (the keys cut into ranges, partials merged by a second launch).
 """
 
 from __future__ import annotations
@@ -258,7 +259,14 @@ def attend_launch(a: AttendArgs, out: torch.Tensor, *, block_m: int = BLOCK_M, b
 
 
 @op_entry(AttendArgs)
-def attend_triton(a: AttendArgs, out: torch.Tensor, **blocks) -> None:
-    """`attend_runs_torch` in one Triton launch (arguments: `ops.AttendArgs`, then `out` `[B, Tq, hin, D]`, which it
-    writes)."""
-    launch_on_device("attention", attend_launch(a, out, **blocks))
+def attend_triton(a: AttendArgs, out: torch.Tensor, *, splits: int | None = None, **blocks) -> None:
+    """`attend_runs_torch` in Triton (arguments: `ops.AttendArgs`, then `out` `[B, Tq, hin, D]`, which it writes):
+    one launch, or the keys split into `splits` ranges with a merge launch (triton_attention_split.py; None: its
+    `auto_splits` picks, 1 for most calls)."""
+    from . import triton_attention_split as split  # lazily: it imports this module
+
+    s = split.auto_splits(a, **blocks) if splits is None else splits
+    if s == 1:
+        launch_on_device("attention", attend_launch(a, out, **blocks))
+    else:
+        split.attend_split_triton(a, out, s, **blocks)

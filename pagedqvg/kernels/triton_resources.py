@@ -4,7 +4,8 @@ a GPU (Triton's frontend and LLVM, then `ptxas -v` from the triton wheel; see tr
 Shapes: the LingBot-World, LongLive2 and Self-Forcing presets (pagedqvg/presets.py; heads, head_dim 128, chunk =
 chunk_frames x tokens/frame, view = sink + window), LingBot-World also with its heads split over 2 Ulysses ranks
 (20 heads per rank). Kernels: page write and fill, dense view build, mixed view build (no packed sources and each
-PRQ format), packed dequant, residual pack (each format), k-means assign and update. Formats: SGLang's int4 and
+PRQ format), packed dequant, residual pack (each format), k-means assign and update, attention from pages (one
+launch; and the split-KV partials + merge pair at `REPORT_SPLITS` ranges). Formats: SGLang's int4 and
 int2, and `QuantConfig.compact()`. Each launch is built by the kernel's own `*_launch` helper on meta tensors, so the
 tile, warps and grid are exactly what a call at that shape would use; launches with the same kernel and
 constexprs compile once.
@@ -112,6 +113,7 @@ def launches(shape: LayerShape) -> dict[str, tuple]:
         ids = torch.empty(g, n, cfg.stages, dtype=torch.uint8, device=META)
         out[f"residual_pack/{name}"] = residual_pack_launch(x, ids, dest, idx, idx, gfmt)
     out.update(attention_launches(shape, rows, dense_rows, runs))
+    out.update(attention_split_launches(shape, rows, dense_rows, runs))
     k = QuantConfig(bits=2).centroids
     c = torch.empty(g, k, d, device=META)
     out["kmeans_assign"] = kmeans_assign_launch(x, c, torch.empty(g, n, dtype=torch.int64, device=META))
@@ -134,6 +136,31 @@ def attention_launches(shape: LayerShape, rows, dense_rows, runs) -> dict[str, t
         fmt = PackedFormat(d, h, cfg, torch.bfloat16)
         packed = packed_pages(fmt)
         out[f"attention/{name}"] = attend_launch(q, dense_rows, None, runs, packed, fmt, 0, t, d**-0.5, q)
+    return out
+
+
+#: Key ranges of the split attention launches in the report (the heuristic picks 1 at the presets' full chunks; the
+#: binaries do not depend on it: S is a grid axis and a runtime argument).
+REPORT_SPLITS = 4
+
+
+def attention_split_launches(shape: LayerShape, rows, dense_rows, runs) -> dict[str, tuple]:
+    """The split-KV attention pair (triton_attention_split.py) at `shape` with `REPORT_SPLITS` ranges: the partials
+    kernel over a row index, a run table without packed sources and one of each format, and the merge kernel."""
+    from .triton_attention_split import attend_split_launch
+
+    h, d, n, t = shape.heads, shape.head_dim, shape.chunk, shape.view
+    q = torch.empty(1, n, h, d, dtype=torch.bfloat16, device=META)
+    idx = torch.empty(2, 1, t, dtype=torch.int64, device=META)
+    s = REPORT_SPLITS
+    partials, merge, _ = attend_split_launch(q, rows, (idx, idx), None, None, None, 0, t, d**-0.5, q, s)
+    out = {"attention_split/index": partials, "attention_merge": merge}
+    out["attention_split/dense"] = attend_split_launch(q, dense_rows, None, runs, None, None, 0, t, d**-0.5, q, s)[0]
+    for name, cfg in formats().items():
+        fmt = PackedFormat(d, h, cfg, torch.bfloat16)
+        packed = packed_pages(fmt)
+        launch = attend_split_launch(q, dense_rows, None, runs, packed, fmt, 0, t, d**-0.5, q, s)
+        out[f"attention_split/{name}"] = launch[0]
     return out
 
 
