@@ -32,6 +32,12 @@ Checks after every call:
   conversely every chunk packed by a call is the policy's, or pack_under_pressure's on a squeezed pool;
 - resetting every layer empties the pool.
 
+Formats by age (issue 23): `TieredFuzzMachine` runs the same rules and checks on tiered configs (a recent tier in
+int4 / fp8 / the history's format, a sink tier in bf16 / int4 / int2 / fp8; fp8 draws at head_dim 32): pages per
+segment from its own format, aged chunks (repacked from decoded values) checked against the values they were
+repacked from, and the tier policy (`check_tier_policy`) after every advance;
+`test_program_tiers_age_rewrite_rewind_pin` replays a fixed tiered program.
+
 Budget: the loaded Hypothesis profile (tests/conftest.py: ci by default, long, interp); ci's examples scaled from
 140 to 100 (see EXAMPLES), >= 1,000 steps asserted (~4,500 run).
 """

@@ -259,8 +259,9 @@ def test_untiered_configs_hold_one_store_and_no_format_keys():
 @needs_kernels
 def test_tiered_views_through_triton_equal_torch(monkeypatch):
     """Every view of a tiered cache (int4 sink, fp8 recent, int2 history; head slices; a rewrite of an aged chunk)
-    equals the torch backend's bit for bit; on the Triton backend the history's runs go through the view-runs kernel
-    and the int4 runs through the packed-dequant kernel, the fp8 runs through their torch reference."""
+    equals the torch backend's bit for bit, and so does `update_and_attend` over it; on the Triton backend the
+    history's runs go through the view-runs kernel and the int4 runs through the packed-dequant kernel, the fp8 runs
+    through their torch reference."""
     contract_checked_kmeans(monkeypatch)
     from pagedqvg.kernels import triton_dequant, triton_view_runs
 
@@ -289,6 +290,10 @@ def test_tiered_views_through_triton_equal_torch(monkeypatch):
         k, v = (x[:, :, :1].to(ON) for x in chunk(7))
         view = cache.update_and_get_attention_kv(key=k, value=v, current_chunk_start=4 * N, cache_head_start=1)
         out.append((view.k.cpu().clone(), view.v.cpu().clone()))
+        q = torch.randn(1, 3, H, D, generator=torch.Generator().manual_seed(5)).to(torch.bfloat16).to(ON)
+        k, v = (x.to(ON) for x in chunk(8))
+        att = cache.update_and_attend(q, key=k, value=v, current_chunk_start=4 * N)  # over the built tiered view
+        out.append((att.cpu(), att.cpu()))
         views[backend] = (out, formats(cache))
         cache.close()
     assert views["torch"][1] == views["triton"][1] == ["int4", "int2", "int2", "fp8", "bf16"]
