@@ -1,8 +1,9 @@
 """SGLang 0.5.23's real LongLive2 transformer (tiny, seeded random weights, bf16 and fp32, CPU) through a causal DMD
 chunk loop (per chunk: denoising steps that rewrite the chunk's K/V, then a clean pass) over KV caches built by the real
 `CausalDMDDenoisingStage._allocate_causal_kv_cache`: SGLang's dense cache, and pagedqvg installed with
-attention `view` / `pages`, quantization off and int2 (pages also with 16-token attention tiles, so that the window
-spans several and their log-sum-exp merge runs); for bf16 also SGLang's dense cache with its attention computed in
+attention `view` / `pages`, quantization off, int2 and compact (pages also with 16-token attention tiles, so that the
+window spans several and their log-sum-exp merge runs; int2 and compact pages also with the key-noise score
+correction, `-keynoise`, pagedqvg/key_noise.py); for bf16 also SGLang's dense cache with its attention computed in
 fp32 (the noise floor of bf16 rounding here). Prints one JSON object per dtype: each run's relative L2 error of the
 final latents against the dense cache's run in that dtype, and how many self-attention calls attended from pages.
 
@@ -30,6 +31,11 @@ TOKENS_PER_FRAME = (SIDE // 2) ** 2
 INT2 = dict(
     enabled=True, bits=2, centroids=16, block_size=64, stages=1, kmeans_iters=2, asymmetric=False,
     keep_recent_chunks=1, sink=True, sink_keep_chunks=0,
+)  # fmt: skip
+#: compact (trits, fitted scales, fp8 codebooks) at this head_dim: one scale per 64 channels, 16 centroids.
+COMPACT = dict(
+    enabled=True, bits=2, centroids=16, block_size=64, stages=1, kmeans_iters=2, asymmetric=False, pack_trits=True,
+    fit_scales=True, codebook_fp8=True, keep_recent_chunks=1, sink=True, sink_keep_chunks=0,
 )  # fmt: skip
 
 
@@ -109,9 +115,13 @@ def run_loop(sgl, model, caches, dtype: torch.dtype) -> torch.Tensor:
 
 
 def allocate(sgl, quant: dict | None, dtype: torch.dtype) -> list:
-    stage = types.SimpleNamespace(
-        num_transformer_blocks=LAYERS, _kv_quant_args=None if quant is None else types.SimpleNamespace(**quant)
-    )
+    if quant is not None and "pack_trits" in quant:  # pagedqvg-only fields: a QuantConfig (SGLang's flags lack them)
+        from pagedqvg import QuantConfig
+
+        quant_args = QuantConfig(**{k: v for k, v in quant.items() if k != "enabled"})
+    else:
+        quant_args = None if quant is None else types.SimpleNamespace(**quant)
+    stage = types.SimpleNamespace(num_transformer_blocks=LAYERS, _kv_quant_args=quant_args)
     return sgl.Stage._allocate_causal_kv_cache(
         stage, batch_size=1, kv_cache_size=WINDOW_FRAMES * TOKENS_PER_FRAME, num_attention_heads=HEADS,
         attention_head_dim=HEAD_DIM, dtype=dtype, device="cpu", use_int_indices=True,
@@ -119,10 +129,13 @@ def allocate(sgl, quant: dict | None, dtype: torch.dtype) -> list:
     )  # fmt: skip
 
 
-def run_installed(sgl, model, dense, dtype, mode: str, quant: dict | None, tile: int | None) -> dict:
+def run_installed(sgl, model, dense, dtype, mode: str, quant: dict | None, tile: int | None,
+                  key_noise: bool = False) -> dict:  # fmt: skip
     """One loop with pagedqvg installed (`mode`, `quant`; `tile`: attention tiles of that many tokens, so the
-    window spans several and their log-sum-exp merge runs): its error against `dense` and how many self-attention
-    calls attended from pages."""
+    window spans several and their log-sum-exp merge runs; `key_noise`: the key-noise score correction on every
+    attention from pages): its error against `dense` and how many self-attention calls attended from pages."""
+    import functools
+
     from pagedqvg import attention
     from pagedqvg.integrations import sglang as integ
     from pagedqvg.integrations import sglang_attention
@@ -132,6 +145,7 @@ def run_installed(sgl, model, dense, dtype, mode: str, quant: dict | None, tile:
     assert type(caches[0]).__module__ == integ.__name__, type(caches[0])
     calls = {"pages": 0}
     original, tile_before = sglang_attention.PendingPages.attend, attention.ATTN_TILE_TOKENS
+    attend_before = attention.attend_pages
 
     def counted(self, query, scale):
         calls["pages"] += 1
@@ -139,11 +153,14 @@ def run_installed(sgl, model, dense, dtype, mode: str, quant: dict | None, tile:
 
     sglang_attention.PendingPages.attend = counted
     attention.ATTN_TILE_TOKENS = tile or tile_before
+    if key_noise:  # PendingPages.attend imports attention.attend_pages at call time
+        attention.attend_pages = functools.partial(attend_before, key_noise=True)
     try:
         got = run_loop(sgl, model, caches, dtype)
     finally:
         sglang_attention.PendingPages.attend = original
         attention.ATTN_TILE_TOKENS = tile_before
+        attention.attend_pages = attend_before
         integ.uninstall()
     return {"relative_l2": float((got - dense).norm() / dense.norm()), "attend_from_pages_calls": calls["pages"]}
 
@@ -178,10 +195,12 @@ def main(src: str) -> dict:
         with torch.no_grad(), sgl.runtime(dtype):
             model = build_model(sgl, dtype)
             dense = run_loop(sgl, model, allocate(sgl, None, dtype), dtype)  # SGLang's own cache (not installed)
-            runs = [("view", "off", None, None), ("view", "int2", INT2, None), ("pages", "off", None, None),
-                    ("pages", "int2", INT2, None), ("pages", "off-tile16", None, 16)]  # fmt: skip
-            for mode, name, quant, tile in runs:
-                out[f"{mode}-{name}"] = run_installed(sgl, model, dense, dtype, mode, quant, tile)
+            runs = [("view", "off", None, None, False), ("view", "int2", INT2, None, False),
+                    ("pages", "off", None, None, False), ("pages", "int2", INT2, None, False),
+                    ("pages", "off-tile16", None, 16, False), ("pages", "int2-keynoise", INT2, None, True),
+                    ("pages", "compact", COMPACT, None, False), ("pages", "compact-keynoise", COMPACT, None, True)]
+            for mode, name, quant, tile, key_noise in runs:
+                out[f"{mode}-{name}"] = run_installed(sgl, model, dense, dtype, mode, quant, tile, key_noise)
             if dtype != torch.float32:
                 out["dense-fp32-attention"] = run_fp32_attention(sgl, model, dense, dtype)
     return results

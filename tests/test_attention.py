@@ -14,7 +14,14 @@ from memory_count import AllocatedBytes
 
 import pagedqvg.attention as attention
 from pagedqvg import BlockPool, PagedCausalKVCache, QuantConfig
-from pagedqvg.attention import attention_scratch_bytes, attention_tiles, packed_decode_bytes
+from pagedqvg.attention import (
+    attention_scratch_bytes,
+    attention_tiles,
+    key_noise_bytes,
+    packed_decode_bytes,
+    plan_sources,
+)
+from pagedqvg.kernels.attention_runs import attend_runs_torch
 from pagedqvg.quant import PackedFormat
 
 DTYPES = (torch.bfloat16, torch.float16, torch.float32)
@@ -218,7 +225,7 @@ def test_bad_query_or_scale_changes_nothing():
 
 
 # ------------------------------------------------------------------------------------------------ memory
-def _peak(quant, chunks, chunk=64, H=4, D=128, tq=40):
+def _peak(quant, chunks, chunk=64, H=4, D=128, tq=40, key_noise=False):
     """Peak and remaining counted bytes of a repeated update_and_attend call (plans cached) at a window of
     `chunks` chunks (after the window filled)."""
     pool = BlockPool(capacity_bytes=32 << 20, page_bytes=16384)
@@ -228,10 +235,10 @@ def _peak(quant, chunks, chunk=64, H=4, D=128, tq=40):
     gen = torch.Generator().manual_seed(8)
     for s in range(chunks + 2):
         k, q = data(gen, 1, chunk, H, D, torch.bfloat16), data(gen, 1, tq, H, D, torch.bfloat16)
-        c.update_and_attend(q, key=k, value=k, current_chunk_start=s * chunk)
-    c.update_and_attend(q, key=k, value=k, current_chunk_start=s * chunk)  # the repeated call's plan is cached
+        c.update_and_attend(q, key=k, value=k, current_chunk_start=s * chunk, key_noise_correction=key_noise)
+    c.update_and_attend(q, key=k, value=k, current_chunk_start=s * chunk, key_noise_correction=key_noise)  # cached
     with AllocatedBytes() as m:
-        out = c.update_and_attend(q, key=k, value=k, current_chunk_start=s * chunk)
+        out = c.update_and_attend(q, key=k, value=k, current_chunk_start=s * chunk, key_noise_correction=key_noise)
     assert m.live == out.numel() * out.element_size()  # only the output stays
     return m.peak
 
@@ -242,6 +249,11 @@ def test_transient_bytes_independent_of_window(quant):
     within attention_scratch_bytes (+ packed_decode_bytes when packed)."""
     peaks = [_peak(QUANTS[quant], n) for n in (3, 6, 12)]
     assert peaks[0] == peaks[1] == peaks[2]
+    if quant == "off":  # exact: the bf16 tile and its fp32 copy, the fp32 output and log-sum-exp of the 40 query
+        # rows, the result, and the last query block's fp32 copy (8 rows) still held when the result is made
+        B, t, h, D, Tq, qt = 1, 16, 4, 128, 40, 8
+        tiles = 2 * B * t * h * D * (2 + 4)
+        assert peaks[0] == tiles + B * h * Tq * (D + 1) * 4 + B * Tq * h * D * 2 + B * h * qt * D * 4 == 238208
     bound = attention_scratch_bytes(1, 40, 4, 128, torch.bfloat16, tile_tokens=16, query_tile=8)
     if QUANTS[quant] is not None:
         fmt = PackedFormat(head_dim=128, num_heads=4, cfg=QUANTS[quant], dtype=torch.bfloat16)
@@ -257,3 +269,55 @@ def test_matmul_path_without_flash_kernel(monkeypatch, quant, dtype):
     monkeypatch.setattr(attention, "_flash_cpu", lambda: None)
     test_matches_view_sdpa(quant, dtype)
     test_adversarial_scores(quant, dtype)
+
+
+# ------------------------------------------------------------------------------------------------ key-noise correction
+def corrected_reference(a, q, scale=None, key_noise=True):
+    """fp64 attention (with or without the key-noise bias) over the newest view plan of the view twin `a`."""
+    plan = [p for key, p in a._io._plans.items() if key[0] == "v"][-1]
+    scale = a.head_dim**-0.5 if scale is None else scale
+    return attend_runs_torch(q.double(), a._io.rows, *plan_sources(a._io, plan), 0, plan.tokens, scale,
+                             key_noise=key_noise)  # fmt: skip
+
+
+@pytest.mark.parametrize("quant", ["int2", "int4-asym", "compact"])
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_key_noise_correction_matches_reference(quant, dtype):
+    """`key_noise_correction=True`: within 1.5x SDPA-on-view's error of the fp64 corrected reference
+    (`attend_runs_torch(key_noise=True)`), which differs from the uncorrected attention (for int2 modes by more than
+    the bound: the bias is not a no-op); the same writes as without it."""
+    a, b = twins(QUANTS[quant], dtype, chunks=4)
+    B, H, D = a.batch_size, a.num_cache_heads, a.head_dim
+    gen = torch.Generator().manual_seed(9)
+    moved = 0.0
+    for step in range(6):
+        k, v, q = (data(gen, B, 24, H, D, dtype) for _ in range(3))
+        view = a.update_and_get_attention_kv(key=k, value=v, current_chunk_start=24 * step)
+        out = b.update_and_attend(q, key=k, value=v, current_chunk_start=24 * step, key_noise_correction=True)
+        ref, plain = corrected_reference(a, q), corrected_reference(a, q, key_noise=False)
+        e_sdpa = (sdpa(q, view.k, view.v).double() - plain).norm().item()
+        e_ours = (out.double() - ref).norm().item()
+        assert e_ours <= RATIO * e_sdpa, (e_ours, e_sdpa, step)
+        moved = max(moved, (ref - plain).norm().item() / max(e_sdpa, 1e-300))
+    if quant != "int4-asym":  # int2: the correction moves the output well beyond the bound (int4: 16x finer steps,
+        assert moved > 2 * RATIO  # a correction about 256x smaller, below 16-bit rounding)
+    assert moved > 0
+    same_writes(a, b, k, v, 24 * 5)
+
+
+def test_key_noise_transient_bytes_and_bad_flag():
+    """With the correction the peak is still independent of the window, within the scratch + decode + key-noise
+    bounds; a non-bool flag is a TypeError before anything changes."""
+    quant = QUANTS["int2"]
+    peaks = [_peak(quant, n, key_noise=True) for n in (3, 6, 12)]
+    assert peaks[0] == peaks[1] == peaks[2]
+    fmt = PackedFormat(head_dim=128, num_heads=4, cfg=quant, dtype=torch.bfloat16)
+    bound = attention_scratch_bytes(1, 40, 4, 128, torch.bfloat16, tile_tokens=16, query_tile=8)
+    bound += packed_decode_bytes(1, 4, 128, 16, fmt) + key_noise_bytes(1, 40, 4, 4, fmt, tile_tokens=16, query_tile=8)
+    assert peaks[0] <= bound
+    _, b = twins(quant, torch.bfloat16, B=1, H=2)
+    k = data(torch.Generator().manual_seed(10), 1, 24, 2, b.head_dim, torch.bfloat16)
+    before = cache_state(b)
+    with pytest.raises(TypeError, match="key_noise_correction"):
+        b.update_and_attend(k, key=k, value=k, current_chunk_start=0, key_noise_correction=1)
+    same(before, cache_state(b))
