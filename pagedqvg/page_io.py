@@ -252,14 +252,14 @@ class PageIO:
         runs: list[tuple[int, ...]] = []
         cb_pages: list[int] = []
         cb_offset: dict[int, int] = {}  # id(segment) -> its codebook pages' offset in cb_pages
-        extra = ExtraRuns(self.stores)  # packed runs of the other tier formats
+        extra = ExtraRuns(self.stores) if len(self.stores) > 1 else None  # packed runs of the other tier formats
         o = 0
         for global_ranges, zeros in spans:
             for g0, g1 in global_ranges:
                 for entry in index.overlapping(g0, g1):
                     lo, hi = max(g0, entry.start) - entry.start, min(g1, entry.end) - entry.start
                     seg = entry.value
-                    if seg.packed and store is not None and seg.fmt not in (None, store.name):
+                    if seg.packed and extra is not None and seg.fmt not in (None, store.name):
                         extra.add(seg, lo, hi, o)
                     elif seg.packed:
                         assert store is not None
@@ -282,7 +282,8 @@ class PageIO:
         max_run = max((run[3] for run in runs), default=0)
         cb = desc[n:] if store is not None else None
         derived = runs_torch_plan(self.rows, table, h0, hin, self.batch_size) if self.backend == "torch" else None
-        return ViewPlan(o, runs=table, cb_pages=cb, max_run=max_run, runs_plan=derived, extras=extra.build(self.device))
+        extras = extra.build(self.device) if extra is not None else ()
+        return ViewPlan(o, runs=table, cb_pages=cb, max_run=max_run, runs_plan=derived, extras=extras)
 
     def build_view(self, plan: ViewPlan, h0: int, hin: int, out: torch.Tensor) -> None:
         """Fill `out` `[2, B, plan.tokens, hin, D]` with heads `[h0, h0 + hin)` of the plan's rows: dense rows
