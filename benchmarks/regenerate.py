@@ -8,8 +8,10 @@
 Each `<out>/<name>-<YYYY-MM-DD>.md` starts with the command, the UTC date and the machine (CPU model, cores, torch,
 triton and Python versions), then the benchmark's output. `<out>/regenerate-<YYYY-MM-DD>.md` lists every benchmark
 with its status (ok, failed with its exit status, or skipped with the reason: no SGLang sources, no CUDA device) and
-wall time. The exact figures of the README are checked against the code by tests/test_readme_numbers.py; timings
-are quoted in the README with the date and command of the file they come from.
+wall time (an `--only` run adds its rows to the day's index). The exact figures of the README are checked against
+the code by tests/test_readme_numbers.py; timings are quoted in the README with the date and command of the file
+they come from. On a shared machine, `OMP_NUM_THREADS=1` keeps other processes' load from swinging the multi-threaded
+ops (the machine line shows the thread count).
 """
 
 from __future__ import annotations
@@ -141,6 +143,7 @@ BENCHMARKS: tuple[Benchmark, ...] = (
         "vs_baselines",
         "pagedqvg vs the dense cache and the segment list (bench_vs_baselines.py)",
         lambda a: [_script("bench_vs_baselines.py", *_quick(a, "--quick"), "--out", a.out)],
+        env=_sglang_env,  # SGLang's QVG cache in the host-overhead table when --sglang-src is given
     ),
     Benchmark(
         "cpu_views",
@@ -255,7 +258,11 @@ def main(argv: list[str] | None = None) -> int:
         header = f"# {b.what}\n\nRun {stamp} by `python benchmarks/regenerate.py{' --quick' if args.quick else ''}`"
         path.write_text(f"{header} ({seconds:.0f} s wall).\n\nMachine: {host}\n\n{body}", encoding="utf-8")
         index.append(f"| {b.name} | {path.name} | {status} | {seconds:.0f} |")
-    (out / f"regenerate-{day}.md").write_text("\n".join(index) + "\n", encoding="utf-8")
+    path = out / f"regenerate-{day}.md"
+    if names and path.exists():  # a subset: add its rows to the day's index instead of replacing the others
+        index[0] = f"## --only {args.only}, {stamp}{' (--quick)' if args.quick else ''}"
+        index = [path.read_text(encoding="utf-8").rstrip("\n"), "", *index]
+    path.write_text("\n".join(index) + "\n", encoding="utf-8")
     print("\n".join(index))
     return 1 if failed else 0
 

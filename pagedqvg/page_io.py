@@ -56,9 +56,11 @@ class ViewPlan:
     `view_runs`). On the torch backend a dense view also keeps what `view_build_torch` derives from its row index
     (`gather`: `kernels.view_build.gather_plan`'s source view and unit index), so a repeated view is one
     `index_select` into the output: no index arithmetic, no host read, no allocation; a run table keeps what
-    `view_runs_torch` derives from it (`runs_plan`: the runs token by token, the dense rows' gather). `extras`: the
-    view's runs of packed formats other than the history's (a tiered cache; `tier_stores.ExtraRuns`), each
-    `(store, piece table, codebook pages)`, read by that store after the `view_runs` call."""
+    `view_runs_torch` derives from it (`runs_plan`: the dense rows' gathers, the zero ranges and the packed rows'
+    decode plan with its scratch), so a repeated view allocates nothing but its output and reads nothing back on
+    either kind of plan. `extras`: the view's runs of packed formats other than the history's (a tiered cache;
+    `tier_stores.ExtraRuns`), each `(store, piece table, codebook pages)`, read by that store after the `view_runs`
+    call."""
 
     tokens: int
     page_idx: torch.Tensor | None = None
@@ -122,6 +124,8 @@ class PageIO:
         self._kv_batch = (kv[:, None] * B + b[None, :])[:, :, None]
         # Cached write/view plans (row indices, run tables), dropped whenever pages or slots change.
         self._plans: dict[Hashable, object] = {}
+        # The torch backend's decode scratch (uint8), shared by this layer's plans; grown at plan time only.
+        self._scratch = torch.empty(0, dtype=torch.uint8, device=self.device)
 
     # ------------------------------------------------------------ plan cache
     def invalidate(self) -> None:
@@ -131,6 +135,14 @@ class PageIO:
     def cached(self, key: Hashable) -> object | None:
         """The plan remembered under `key`, or None."""
         return self._plans.get(key)
+
+    def scratch(self, nbytes: int) -> torch.Tensor:
+        """The decode scratch of this layer's view plans (torch backend), at least `nbytes` (uint8): one buffer,
+        reallocated only when a new plan needs more (plans hold views of it; the calls of one cache run one at a
+        time). About 12 B per `kernels.dequant.DEQUANT_TILE_ELEMS` element (~3 MiB)."""
+        if self._scratch.numel() < nbytes:
+            self._scratch = torch.empty(nbytes, dtype=torch.uint8, device=self.device)
+        return self._scratch
 
     def remember(self, key: Hashable, plan: object) -> object:
         """Keep `plan` under `key` until `invalidate` (at most `PLAN_CACHE_SIZE` plans; emptied when full)."""
@@ -212,9 +224,7 @@ class PageIO:
         plan = self._plans.get(key)
         if plan is None:
             if self._dense_only(index, spans):
-                p, sl = self._row_index(index, [g for global_ranges, _ in spans for g in global_ranges])
-                gather = gather_plan(self.rows, p, sl, h0, hin) if self.backend == "torch" else None
-                plan = ViewPlan(p.shape[2], page_idx=p, slot_idx=sl, gather=gather)
+                plan = self._dense_plan(index, spans, h0, hin)
             else:
                 plan = self._run_plan(index, spans, h0, hin)
             self.remember(key, plan)
@@ -243,11 +253,19 @@ class PageIO:
             return False
         return not any(e.value.packed for g, _ in spans for g0, g1 in g for e in index.overlapping(g0, g1))
 
-    def _run_plan(self, index: RangeIndex[Segment], spans: Spans, h0: int, hin: int) -> ViewPlan:
-        """The run table of a whole view (kernels/view_runs.py) from its spans: dense and packed token runs and
-        zero runs (split at `run_cap` tokens), plus the concatenated codebook pages of its packed segments; one
-        host->device copy. O(pages of the view)."""
-        cap = self.run_cap
+    def _dense_plan(self, index: RangeIndex[Segment], spans: Spans, h0: int, hin: int) -> ViewPlan:
+        """The plan of a view of dense rows only: its row index and, on the torch backend, its gather (one
+        `index_select`)."""
+        p, sl = self._row_index(index, [g for global_ranges, _ in spans for g in global_ranges])
+        gather = gather_plan(self.rows, p, sl, h0, hin) if self.backend == "torch" else None
+        return ViewPlan(p.shape[2], page_idx=p, slot_idx=sl, gather=gather)
+
+    def _runs(
+        self, index: RangeIndex[Segment], spans: Spans, cap: int | None
+    ) -> tuple[list[tuple[int, ...]], list[int], int, ExtraRuns | None]:
+        """A view's run table rows (kernels/view_runs.py) from its spans, split at `cap` tokens, the concatenated
+        codebook pages of its packed segments, its token count, and the runs of packed formats other than the
+        history's (a tiered cache; None without tiers). O(pages of the view)."""
         store = self.packed
         runs: list[tuple[int, ...]] = []
         cb_pages: list[int] = []
@@ -276,12 +294,23 @@ class PageIO:
                 # zero-initialised buffer reads there.
                 runs += zero_runs(o, zeros, cap)
                 o += zeros
+        return runs, cb_pages, o, extra
+
+    def _run_plan(self, index: RangeIndex[Segment], spans: Spans, h0: int, hin: int) -> ViewPlan:
+        """The run table of a whole view (`_runs`: dense, packed and zero runs split at `run_cap` tokens) and the
+        concatenated codebook pages of its packed segments, in one host->device copy; on the torch backend also what
+        `view_runs_torch` derives from them (`runs_torch_plan`). O(pages of the view)."""
+        store = self.packed
+        runs, cb_pages, o, extra = self._runs(index, spans, self.run_cap)
         desc = int64_on([x for run in runs for x in run] + cb_pages, self.device)
         n = RUN_COLUMNS * len(runs)
         table = desc[:n].view(len(runs), RUN_COLUMNS)
         max_run = max((run[3] for run in runs), default=0)
         cb = desc[n:] if store is not None else None
-        derived = runs_torch_plan(self.rows, table, h0, hin, self.batch_size) if self.backend == "torch" else None
+        derived = None
+        if self.backend == "torch":
+            sources = (store.token_view, store.codebook_rows, cb_pages, store.fmt) if store is not None else None
+            derived = runs_torch_plan(self.rows, runs, h0, hin, self.batch_size, sources, self.scratch)
         extras = extra.build(self.device) if extra is not None else ()
         return ViewPlan(o, runs=table, cb_pages=cb, max_run=max_run, runs_plan=derived, extras=extras)
 

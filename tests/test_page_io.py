@@ -20,8 +20,8 @@ from helpers import bits, random_bits
 from pagedqvg import BlockPool
 from pagedqvg.allocator import RangeIndex
 from pagedqvg.kernels import dispatch
-from pagedqvg.kernels.rows import coalesce_units, row_units, rows_index_units
-from pagedqvg.kernels.view_build import view_build_torch
+from pagedqvg.kernels.rows import record_gather
+from pagedqvg.kernels.view_build import gather_plan, view_build_torch
 from pagedqvg.layout import DenseTokenLayout
 from pagedqvg.packing import PackedStore
 from pagedqvg.page_io import PLAN_CACHE_SIZE, PageIO, ViewPlan, WritePlan
@@ -207,19 +207,18 @@ def test_mixed_views_and_dequantize_segment_equal_prq_dequantize(monkeypatch, dt
     ids=["odd-page-stride", "offset-head-slice", "last-head", "unit-of-2"],
 )
 def test_unit_view_gathers_exactly_what_indexing_does(page_elems, offset, h0, hin):
-    """`row_units` / `rows_index_units` address the same elements as `rows[page, slot, h0:h0 + hin]`, whatever the
-    page stride and storage offset; `view_build_torch` through them equals aten indexing bit for bit."""
+    """`gather_plan` (`record_gather` over a window view of the rows' storage) addresses the same elements as
+    `rows[page, slot, h0:h0 + hin]`, whatever the page stride and storage offset; `view_build_torch` through it
+    equals aten indexing bit for bit."""
     gen = torch.Generator().manual_seed(page_elems + offset)
     H, D, rpp, pages = 4, 8, 6, 5
     arena = random_bits((offset + pages * page_elems,), torch.float16, gen)
     rows = arena[offset:].view(pages, page_elems)[:, : rpp * H * D].view(pages, rpp, H, D)
-    units = row_units(rows, h0, hin)
-    assert units is not None
-    flat, u = units
-    assert (h0 * D) % u == 0 and (hin * D) % u == 0 and flat.data_ptr() == rows.data_ptr()
     p = torch.randint(0, pages, (2, 3, 7), generator=gen)
     s = torch.randint(0, rpp, (2, 3, 7), generator=gen)
-    got = flat[rows_index_units(rows, p, s, h0, hin, u)].view(2, 3, 7, hin, D)
+    plan = gather_plan(rows, p, s, h0, hin)
+    assert plan is not None and plan[0].data_ptr() == rows.data_ptr()
+    got = torch.index_select(plan[0], 0, plan[1]).view(2, 3, 7, hin, D)
     assert torch.equal(bits(got), bits(rows[p, s, h0 : h0 + hin]))
     out = torch.empty(2, 3, 7, hin, D, dtype=torch.float16)
     view_build_torch(rows, p, s, h0, hin, out)
@@ -230,14 +229,19 @@ def test_unit_view_gathers_exactly_what_indexing_does(page_elems, offset, h0, hi
 
 
 @pytest.mark.parametrize(
-    ("index", "k"),
-    [([8, 9, 10, 11, 0, 1, 2, 3], 4), ([8, 9, 10, 11, 2, 3], 2), ([4, 5, 6, 7, 8, 9, 10, 11], 4), ([3, 4], 1),
-     ([5], 1), ([0], 1), ([], 1), ([6, 7, 2, 3, 4, 5], 2), ([0, 1, 2, 3, 4, 5, 6, 7], 8)],
+    ("starts", "block", "c"),
+    [([8, 9, 10, 11, 0, 1, 2, 3], 0, 4), ([8, 9, 10, 11, 2, 3], 0, 2), ([4, 5, 6, 7, 8, 9, 10, 11], 0, 8),
+     ([3, 4], 0, 2), ([5], 0, 1), ([], 0, 1), ([6, 7, 2, 3, 4, 5], 0, 2), ([0, 1, 2, 3, 4, 5, 6, 7], 4, 4),
+     ([1, 2, 3, 5, 6, 7], 0, 3)],
 )  # fmt: skip
-def test_coalesce_units_finds_the_largest_aligned_block(index, k):
-    """Runs [8, 12) and [0, 4): blocks of 4; a run of 2 or a start at 2 halves it; a merged run [4, 12) of 8 still
-    gathers in blocks of 4 (its start); a single unit or none: 1."""
-    assert coalesce_units(torch.tensor(index)) == k
+def test_record_gather_reads_adjacent_records_as_one_block(starts, block, c):
+    """Runs [8, 12) and [0, 4): blocks of 4; a run of 2 halves it; a run may start anywhere ([3, 5), [1, 4) and
+    [5, 8): the window view starts a block at any element); `block` bounds the count; the index reads the same
+    elements as the records one by one."""
+    base = torch.arange(16, dtype=torch.float32)
+    source, index = record_gather(base, torch.tensor(starts, dtype=torch.int64), 1, 1, block)
+    assert source.shape[1] == c and index.numel() == len(starts) // c
+    assert torch.equal(torch.index_select(source, 0, index).reshape(-1), base[starts])
 
 
 def test_views_coalesce_rows_of_a_page_into_one_copy(monkeypatch):
@@ -254,9 +258,37 @@ def test_views_coalesce_rows_of_a_page_into_one_copy(monkeypatch):
     assert seen == [16 * 2 * 8]  # a unit of 16 tokens (one page's K or V block) per copy
 
 
-def test_row_units_refuses_rows_whose_heads_are_not_contiguous():
+@pytest.mark.parametrize("zeros", [0, 5], ids=["dense-only", "run-table"])
+@pytest.mark.parametrize("B", [1, 2])
+def test_rows_coalesce_in_pages_of_an_odd_token_count(monkeypatch, zeros, B):
+    """Pages of an odd token count (101 per page here; the auto page size holds 783 at the LingBot-like layer) whose
+    size is no whole number of rows, so page starts are not row-aligned: a page's rows still coalesce into one
+    block per page run (read from a window view of the arena, which starts a block at any element; before, the
+    block had to start at a multiple of its size, which capped it at a fraction of a row), and the view is one
+    gather (per output range and (kv, b) with zero slots); bits equal the reference's. With B = 2 a batch
+    element's rows are B rows apart in a page (token-major pages), so they gather row by row (as head slices do)."""
+    D, H = 8, 3
+    page_bytes = 256 * -(-101 * 2 * B * H * D * 2 // 256)  # 101 tokens per page and a tail that is no whole row
+    layer = Layer(B=B, H=H, D=D, dtype=torch.float16, page_bytes=page_bytes, seed=11)
+    assert layer.layout.tokens_per_page == 101 and (page_bytes // 2) % (H * D)
+    for _ in range(2):
+        layer.append(202)
+    spans = [([(0, 202), (303, 404)], zeros)]  # three whole pages
+    widths = []
+    real = torch.index_select
+    monkeypatch.setattr(torch, "index_select", lambda s, *a, **k: (widths.append(s.shape[1]), real(s, *a, **k))[1])
+    for h0, hin in ((0, 3), (1, 2)):
+        layer.io.invalidate()
+        widths.clear()
+        got = layer.view(spans, h0, hin)
+        assert torch.equal(bits(got), bits(layer.expect(spans, h0, hin)))
+        rows = 101 if B == 1 and hin == H else 1  # a head slice of a row is no neighbour of the next row's
+        assert set(widths) == {rows * hin * D} and len(widths) == (1 if zeros == 0 else 2 * B)
+
+
+def test_gather_plan_refuses_rows_whose_heads_are_not_contiguous():
     rows = torch.zeros(3, 4, 2, 8)[:, :, :, ::2]  # D elements 2 apart
-    assert row_units(rows, 0, 2) is None
+    assert gather_plan(rows, torch.tensor([[2]]), torch.tensor([[3]]), 0, 2) is None
     out = torch.empty(1, 1, 2, 4)
     view_build_torch(rows, torch.tensor([[2]]), torch.tensor([[3]]), 0, 2, out)  # the per-element fallback
     assert torch.equal(out[0, 0], rows[2, 3])

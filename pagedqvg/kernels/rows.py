@@ -62,47 +62,45 @@ def check_row_index(rows: torch.Tensor, page_idx: torch.Tensor, slot_idx: torch.
             raise IndexError(f"{name} index out of range: {lo}..{hi}, valid 0..{bound - 1}")
 
 
-def row_units(rows: torch.Tensor, head_start: int, num_heads: int) -> tuple[torch.Tensor, int] | None:
-    """The storage of token rows `[num_pages, rows_per_page, H, D]` as a 2-D `[M, u]` tensor of `u`-element units
-    (a view, no copy) such that heads `[head_start, head_start + num_heads)` of every row are whole consecutive
-    units; returns `(units, u)`, or None when the rows' heads are not contiguous (`H x D` elements per row).
-
-    The view starts at the rows' first element; `u` is the largest element count dividing the page and row strides
-    and the head slice's start and length, so `rows_index_units` can address every row with one flat unit index: a
-    gather of whole units is one `index_select` (contiguous copies of `u` elements) instead of an indexed access per
-    element."""
-    D = rows.shape[3]
-    if rows.stride(3) != 1 or rows.stride(2) != D:
-        return None
-    u = math.gcd(rows.stride(0), rows.stride(1), head_start * D, num_heads * D)
-    offset = rows.storage_offset()
-    total = rows.untyped_storage().nbytes() // rows.element_size() - offset
-    return rows.as_strided((total // u, u), (u, 1), offset), u
+def window_view(base: torch.Tensor, unit: int, width: int) -> torch.Tensor:
+    """The storage of `base` from its first element as a 2-D `[M, width]` view whose row `j` is elements
+    `[j * unit, j * unit + width)` (rows overlap when `width > unit`; a view, no copy): `index_select` of it reads
+    `width` consecutive elements at any multiple of `unit`."""
+    offset = base.storage_offset()
+    total = base.untyped_storage().nbytes() // base.element_size() - offset
+    return base.as_strided(((total - width) // unit + 1, width), (unit, 1), offset)
 
 
-def rows_index_units(
-    rows: torch.Tensor, page_idx: torch.Tensor, slot_idx: torch.Tensor, head_start: int, num_heads: int, u: int
-) -> torch.Tensor:
-    """Flat unit indices (into `row_units`' `[M, u]` view) of heads `[head_start, head_start + num_heads)` of the
-    rows `(page_idx, slot_idx)` (any equal shapes `S`): shape `[*S, num_heads * D // u]`, flattened. O(numel)."""
-    D = rows.shape[3]
-    first = page_idx * rows.stride(0) + slot_idx * rows.stride(1) + head_start * D
-    k = num_heads * D // u
-    if k == 1:
-        return (first // u).reshape(-1)
-    step = torch.arange(k, dtype=torch.int64, device=first.device)
-    return ((first // u).unsqueeze(-1) + step).reshape(-1)
+def record_gather(
+    base: torch.Tensor, starts: torch.Tensor, length: int, align: int, block: int = 0
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Plan one `index_select` reading records of `length` consecutive elements of `base`'s storage at element
+    offsets `starts` (int64 `[N]`, counted from `base`'s first element, each a multiple of `align`), in order:
+    `(source, index)` with `torch.index_select(source, 0, index)` `[N // c, c * length]` = the records concatenated.
+
+    Records that follow each other in memory are read `c` at a time (one copy of `c * length` elements), `c` the
+    largest count dividing every maximal run of adjacent records and `block` (0: no constraint; so an output read in
+    parts of `block` records gathers each part from whole rows of `index`). Runs may start anywhere (a window view,
+    `window_view`, at the stride `gcd(length, align)`; when every block starts at a multiple of its width, a view
+    without overlap), so rows of one page coalesce whatever the page stride.
+    O(N) plus one host read of the run lengths (a sync on CUDA: build it once per plan)."""
+    n = starts.numel()
+    c = 1
+    if n > 1:
+        breaks = torch.nonzero(starts[1:] - starts[:-1] != length).flatten() + 1
+        edges = torch.cat([breaks.new_zeros(1), breaks, breaks.new_full((1,), n)])
+        c = math.gcd(*torch.diff(edges).tolist(), block)
+    first = starts[::c]
+    u = c * length if n and not bool((first % (c * length)).any()) else math.gcd(length, align)  # aligned: no overlap
+    return window_view(base, u, c * length), (first // u).contiguous()
 
 
-def coalesce_units(index: torch.Tensor) -> int:
-    """The largest `k` such that the flat unit index `index` is whole aligned blocks of `k` consecutive units (every
-    maximal run of consecutive units starts at a multiple of `k` and is a multiple of `k` long): gathering blocks of
-    `k` units instead of single units reads the same elements with `k` times fewer copies. O(len(index)) plus the
-    host reads of the run starts and lengths (one per run)."""
-    n = index.numel()
-    if n < 2:
-        return max(n, 1)
-    breaks = torch.nonzero(index[1:] - index[:-1] != 1).flatten() + 1
-    starts = torch.cat([breaks.new_zeros(1), breaks])
-    lengths = torch.diff(starts, append=starts.new_full((1,), n))
-    return math.gcd(*lengths.tolist(), *index[starts].tolist())
+def row_starts(rows: torch.Tensor, page_idx: torch.Tensor, slot_idx: torch.Tensor, head_start: int) -> torch.Tensor:
+    """Element offsets (from `rows`' first element) of heads from `head_start` on of the rows `(page_idx, slot_idx)`
+    (any equal shapes), flattened. O(numel)."""
+    return (page_idx * rows.stride(0) + slot_idx * rows.stride(1) + head_start * rows.shape[3]).reshape(-1)
+
+
+def heads_contiguous(rows: torch.Tensor) -> bool:
+    """Whether the heads of each row of `rows` `[num_pages, rows_per_page, H, D]` are `H x D` consecutive elements."""
+    return rows.stride(3) == 1 and rows.stride(2) == rows.shape[3]

@@ -25,15 +25,18 @@ concatenated codebook pages of the view's packed segments: one host->device copy
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
 
 from ..debug import debug_checks
 from ..layout import page_pieces
-from .dequant import check_packed_dequant, packed_dequant_torch, piece_tokens
+from ..quant import PackedFormat
+from .decode_plan import PackedDecodePlan, decode_plan, run_decode
+from .dequant import check_packed_dequant
 from .ops import PackedDequantArgs, ViewRunsArgs, op_entry
-from .view_build import gather_plan, view_build_torch
+from .view_build import DenseCopies, dense_copies
 
 DENSE, PACKED, ZERO = 0, 1, 2
 KINDS = (DENSE, PACKED, ZERO)
@@ -176,64 +179,65 @@ def check_run_values(a: ViewRunsArgs) -> None:
 
 @op_entry(ViewRunsArgs)
 def view_runs_torch(a: ViewRunsArgs, plan: RunsTorchPlan | None = None) -> None:
-    """Reference: the dense runs' rows in one gather (`view_build_torch` on their row index) and one `index_copy_`
-    into their output rows, the zero runs' rows in one `index_fill_`, all packed runs through `packed_dequant_torch`.
-    The table's values are range-checked (`check_run_values`, a host read) under the debug switch only
-    (`pagedqvg.debug`); its shape always. `plan`: the `runs_torch_plan` of these arguments, kept by a caller that
-    repeats the view (the row expansion then costs nothing per call). Fields: `ops.ViewRunsArgs`.
+    """Reference: the dense runs' rows copied into their output rows (`view_build.DenseCopies`: one gather per
+    output range and (kv, b), or one copy per long run), the zero runs' rows zeroed, the packed runs decoded
+    (`decode_plan.run_decode`, the values of `packed_dequant_torch`). The table's values are range-checked
+    (`check_run_values`, a host read) under the debug switch only (`pagedqvg.debug`); its shape always. `plan`: the
+    `runs_torch_plan` of these arguments, kept by a caller that repeats the view (the call then allocates nothing
+    and reads nothing back). Fields: `ops.ViewRunsArgs`.
     """
     check_view_runs(a)
     if debug_checks():
         check_run_values(a)
-    rows, runs, head_start, out_t = a.rows, a.runs, a.head_start, a.out_t
-    B, heads = out_t.shape[2], out_t.shape[3]
+    out_t = a.out_t
     if plan is None:
-        plan = runs_torch_plan(rows, runs, head_start, heads, B)
-    if plan.dense_out is not None:
-        assert plan.dense_rows is not None
-        page, slot = plan.dense_rows
-        src = torch.empty(2, B, page.shape[2], heads, rows.shape[3], dtype=rows.dtype, device=rows.device)
-        view_build_torch(rows, page, slot, head_start, heads, src, plan.dense_gather)
-        out_t.index_copy_(0, plan.dense_out, src.permute(2, 0, 1, 3, 4))
-    if plan.zero_out is not None:
-        out_t.index_fill_(0, plan.zero_out, 0)
-    if plan.pieces is not None:
-        packed_dequant_torch(a.tokens, a.codebooks, plan.pieces, a.cb_pages, head_start, out_t, a.fmt)
+        sources = None
+        if a.tokens is not None:
+            assert a.codebooks is not None and a.cb_pages is not None and a.fmt is not None
+            sources = (a.tokens, a.codebooks, a.cb_pages.tolist(), a.fmt)
+        plan = runs_torch_plan(a.rows, a.runs.tolist(), a.head_start, out_t.shape[3], out_t.shape[2], sources,
+                               lambda n: torch.empty(n, dtype=torch.uint8, device=out_t.device))  # fmt: skip
+    out = out_t.permute(1, 2, 0, 3, 4)  # [2, B, T, heads, D]
+    if plan.dense is not None:
+        plan.dense.run(out)
+    for t0, count in plan.zeros:
+        out.narrow(2, t0, count).zero_()
+    if plan.packed is not None:
+        run_decode(plan.packed, out_t)
 
 
 @dataclass(frozen=True, slots=True)
 class RunsTorchPlan:
-    """What `view_runs_torch` derives from a run table for one head slice: the dense runs token by token (their row
-    index `dense_rows` `(page_idx, slot_idx)` `[2, B, n]`, its `view_build.gather_plan` `dense_gather`, their output
-    rows `dense_out` `[n]`), the zero runs' output rows `zero_out`, the live packed pieces `pieces` `[P, 5]`; None
-    where the table has no such run. All on the table's device."""
+    """What `view_runs_torch` derives from a run table for one head slice, once: the dense runs' copies (`dense`,
+    `view_build.DenseCopies`), the zero runs' `(out_row, count)` (`zeros`), the packed runs' decode (`packed`,
+    `decode_plan.PackedDecodePlan`); None / empty where the table has no such run. On the table's device."""
 
-    dense_rows: tuple[torch.Tensor, torch.Tensor] | None
-    dense_gather: tuple[torch.Tensor, torch.Tensor] | None
-    dense_out: torch.Tensor | None
-    zero_out: torch.Tensor | None
-    pieces: torch.Tensor | None
+    dense: DenseCopies | None
+    zeros: tuple[tuple[int, int], ...]
+    packed: PackedDecodePlan | None
 
 
-def runs_torch_plan(rows: torch.Tensor, runs: torch.Tensor, head_start: int, heads: int, B: int) -> RunsTorchPlan:
-    """The `RunsTorchPlan` of run table `runs` over `rows` for heads `[head_start, head_start + heads)` of `B` batch
-    elements. O(rows of the view); reads counts back to the host (a sync on CUDA: build it once per plan)."""
-    tpp = rows.shape[1] // (2 * B)
-    live = runs[runs[:, 3] > 0]
-    kind = live[:, 0]
-    dense = live[kind == DENSE]
-    dense_rows = dense_gather = dense_out = zero_out = pieces = None
-    if dense.shape[0]:
-        page, token, dense_out = piece_tokens(dense[:, 1:])  # token by token
-        kv = torch.arange(2, device=runs.device)[:, None, None]
-        b = torch.arange(B, device=runs.device)[None, :, None]
-        slot = kv * (tpp * B) + token * B + b  # [2, B, n]
-        dense_rows = (page.expand_as(slot), slot)
-        dense_gather = gather_plan(rows, *dense_rows, head_start, heads)
-    zero = live[kind == ZERO]
-    if zero.shape[0]:
-        _, _, zero_out = piece_tokens(zero[:, 1:])
-    packed = live[kind == PACKED, 1:]
-    if packed.shape[0]:
-        pieces = packed
-    return RunsTorchPlan(dense_rows, dense_gather, dense_out, zero_out, pieces)
+def runs_torch_plan(
+    rows: torch.Tensor,
+    runs: list[list[int]] | list[tuple[int, ...]],
+    head_start: int,
+    heads: int,
+    B: int,
+    packed: tuple[torch.Tensor, torch.Tensor, list[int], PackedFormat] | None,
+    scratch: Callable[[int], torch.Tensor],
+) -> RunsTorchPlan:
+    """The `RunsTorchPlan` of run table rows `runs` (host lists `(kind, page, first, count, out_row, cb_offset)`)
+    over `rows` for heads `[head_start, head_start + heads)` of `B` batch elements; `packed`: `(tokens, codebooks,
+    cb_pages as host ints, fmt)` of a quantized cache; `scratch(nbytes)`: the decode's scratch buffer (uint8, at
+    least `nbytes`; the owner keeps it). O(rows of the view); may read back to the host (build it once per plan)."""
+    live = sorted((tuple(r) for r in runs if r[3] > 0), key=lambda r: r[4])
+    dense = [r[1:5] for r in live if r[0] == DENSE]
+    pieces = [r[1:] for r in live if r[0] == PACKED]
+    copies = dense_copies(rows, dense, B, head_start, heads) if dense else None
+    zeros = tuple((r[4], r[3]) for r in live if r[0] == ZERO)
+    decode = None
+    if pieces:
+        assert packed is not None
+        tokens, codebooks, cb_pages, fmt = packed
+        decode = decode_plan(tokens, codebooks, pieces, cb_pages, head_start, heads, fmt, scratch)
+    return RunsTorchPlan(copies, zeros, decode)
