@@ -32,6 +32,7 @@ Cost: O(Tq · T · Hin · D) flops like SDPA; K/V rows are decoded once per call
 from __future__ import annotations
 
 import math
+import warnings
 from dataclasses import dataclass
 
 import torch
@@ -317,6 +318,8 @@ def attend_pages(
     Returns `[B, Tq, Hin, D]` in the query dtype. Transient bytes: `attention_scratch_bytes` (+ `key_noise_bytes`);
     O(Tq · T · Hin · D) flops. Tile sizes default to `ATTN_TILE_TOKENS` and `ATTN_QUERY_TILE` (read at call time)."""
     key_noise = key_noise and io.packed is not None
+    if plan.extras:  # a tiered view with a second packed format (tier_stores.py): attend over the built view
+        return attend_built_view(io, plan, head_start, query, scale, key_noise)
     if io.backend == "triton":
         return _attend_pages_triton(io, plan, head_start, query, scale, key_noise)
     tile_tokens = ATTN_TILE_TOKENS if tile_tokens is None else tile_tokens
@@ -327,3 +330,18 @@ def attend_pages(
     if one and _flash_cpu() is not None and query.device.type == "cpu":
         return _attend_one_tile(io, cut.tiles[0], head_start, query, scale)
     return _attend_tiles(io, cut, noise, head_start, query, scale, query_tile)
+
+
+def attend_built_view(
+    io: PageIO, plan: ViewPlan, head_start: int, query: torch.Tensor, scale: float, key_noise: bool = False
+) -> torch.Tensor:
+    """The fallback of `attend_pages` for views holding packed runs of more than one format (a tiered cache,
+    `ViewPlan.extras`): build the whole view (`PageIO.build_view`: one `view_runs` plus one read per other format)
+    and attend over it as one tile (`_attend_one_tile`: zero rows are in it as zeros, keys of score 0 and value 0,
+    as SDPA over the view). Transient memory: the view's K/V (`2 * B * T * Hin * D` elements) instead of one tile.
+    The key-noise correction is not implemented for such views: with `key_noise` a `UserWarning` says the result
+    is uncorrected."""
+    if key_noise:
+        warnings.warn("key_noise_correction is not implemented for views of several packed formats (a tiered "
+                      "cache): this attention is uncorrected", stacklevel=3)  # fmt: skip
+    return _attend_one_tile(io, plan, head_start, query, scale).to(query.dtype)

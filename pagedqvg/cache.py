@@ -20,7 +20,7 @@ import torch
 
 from .allocator import BlockPool, RangeEntry
 from .attention import attend_pages, check_query
-from .cache_args import check_device, check_kv, check_quant, cursor_tensors, dense_layout, packed_store, recent_window
+from .cache_args import check_device, check_kv, check_quant, cursor_tensors, dense_layout, layer_stores, recent_window
 from .cache_packing import ChunkPacker
 from .cache_readout import CacheReadout
 from .errors import CacheClosedError, CacheConfigError
@@ -221,15 +221,15 @@ class PagedCausalKVCache(CacheReadout):
         self.owner = pool.new_owner(name)
         self.reuse_view_buffer = bool(reuse_view_buffer)
         self.layout = dense_layout(pool, self.batch_size, self._num_heads, self.head_dim, dtype)
-        self._packed = packed_store(pool, self.layout, quant)
+        self._packed, stores = layer_stores(pool, self.layout, quant)  # the history's store; every tier format's
         # The token rows of this layer in the pool, every move of them, and the cached write/view plans.
-        self._io = PageIO(pool, self.layout, self._packed)
+        self._io = PageIO(pool, self.layout, self._packed, stores)
         # Geometry, cursors, pin, slot map and segments: every sequencing rule lives in the core.
         self._seq: Sequencer[Segment] = Sequencer(spec)
         # Memory pressure and packing (the pack policy, packing and unpacking segments).
         self._packer = ChunkPacker(
             pool=pool, owner=self.owner, layout=self.layout, io=self._io, seq=self._seq, store=self._packed,
-            quant=quant if self._packed is not None else None, pack_under_pressure=pack_under_pressure,
+            quant=quant if self._packed is not None else None, pack_under_pressure=pack_under_pressure, stores=stores,
         )
         self._use_int = bool(use_int_indices)
         self._closed = False
@@ -258,7 +258,6 @@ class PagedCausalKVCache(CacheReadout):
         """Every head of global tokens `[lo, hi)` of a dense segment := `_unwritten_fill` (K, V)."""
         kf, vf = self._unwritten_fill
         self._io.fill_tokens(entry, lo, hi, kf, vf)
-
 
     # ------------------------------------------------------------ the call
     def update_and_get_attention_kv(

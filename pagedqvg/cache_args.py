@@ -14,6 +14,7 @@ from .errors import CacheConfigError
 from .layout import DenseTokenLayout
 from .packing import PackedStore
 from .quant import QuantConfig
+from .tier_stores import TierStore, tier_stores
 from .validation import as_index, page_bytes_at_least
 
 __all__ = [
@@ -23,8 +24,10 @@ __all__ = [
     "cursor_tensor",
     "cursor_tensors",
     "dense_layout",
+    "layer_stores",
     "packed_store",
     "recent_window",
+    "tier_store_map",
 ]
 
 
@@ -48,11 +51,6 @@ def check_quant(quant: object, head_dim: int) -> None:
         quant.validate(head_dim=head_dim)
     except ValueError as exc:
         raise CacheConfigError(f"quant: {exc}") from None
-    if quant.tiered:  # formats by age (issue 23): configs, codecs and planner bytes exist; the cache's aging not yet
-        raise CacheConfigError(
-            f"quant: tier formats (sink {quant.tier_format('sink')}, recent {quant.recent_format}) are not "
-            "implemented in the cache yet; allowed: recent_format 'bf16' and sink_format None/'bf16'/the history's"
-        )
 
 
 def dense_layout(pool: BlockPool, B: int, H: int, D: int, dtype: torch.dtype) -> DenseTokenLayout:
@@ -170,3 +168,25 @@ def recent_window(name: str, recent_window_tokens: object) -> int | None:
     if r < 0:
         raise ValueError(f"{name}: recent_window_tokens={r} is negative (valid: None or >= 0)")
     return r
+
+
+def tier_store_map(
+    pool: BlockPool, layout: DenseTokenLayout, quant: QuantConfig | None, history: PackedStore | None
+) -> dict[str, TierStore]:
+    """Format name -> store of every packed format of `quant`'s tiers (`tier_stores.tier_stores`; formats by age),
+    empty with quantization off; CacheConfigError naming the tier whose segments do not fit a page."""
+    if history is None or quant is None:
+        return {}
+    try:
+        return tier_stores(pool, history, quant, layout.batch_size, layout.num_heads, layout.head_dim, layout.dtype)
+    except ValueError as exc:
+        raise CacheConfigError(f"quant: {exc}") from None
+
+
+def layer_stores(
+    pool: BlockPool, layout: DenseTokenLayout, quant: QuantConfig | None
+) -> tuple[PackedStore | None, dict[str, TierStore]]:
+    """`(packed_store, tier_store_map)` of a layer: the history format's store (None with quantization off) and the
+    store of every tier format; CacheConfigError naming a bad field or tier."""
+    history = packed_store(pool, layout, quant)
+    return history, tier_store_map(pool, layout, quant, history)

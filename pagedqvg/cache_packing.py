@@ -6,6 +6,13 @@ page accounting of its segments (bytes used, pages a rewind gives back).
 sequencing core (sequencing.py); the policy (which chunks, in which order) is policy.py's. Every method that can fail
 (quantizing, reading rows) runs before the first page changes hands, so a failure leaves cache and pool as they
 were; `store_packed` and `unpack` only move pages and rows.
+
+Formats by age (issue 23): with a tiered `QuantConfig` the layer has one store per tier format (`stores`,
+tier_stores.py; a packed segment names its format in `Segment.fmt`) and the policy is `policy.tier_targets`: a dense
+chunk packs into its tier's format, a packed one leaving the recent tier is repacked into the history's format from
+its decoded values (dequantize with its store, quantize with the next one; both temporaries, before any page moves).
+Pressure packs always use the history's format (the fewest pages). Untiered configs take `policy.pack_targets` and
+the one history store, exactly as before.
 """
 
 from __future__ import annotations
@@ -20,10 +27,11 @@ from .errors import PackingFailedWarning
 from .layout import DenseTokenLayout
 from .packing import PackedStore, QuantizedChunk
 from .page_io import PageIO
-from .policy import layer_pack_targets, pressure_candidates, sink_segment_starts
+from .policy import layer_pack_targets, pressure_candidates, sink_segment_starts, tier_targets
 from .quant import QuantConfig
 from .segment import Segment, SegmentKind
 from .sequencing import CallPlan, Sequencer
+from .tier_stores import TierStore
 
 __all__ = ["ChunkPacker", "Packing"]
 
@@ -42,6 +50,7 @@ class ChunkPacker:
         store: the layer's `PackedStore` (None with quantization off: nothing is ever packed).
         quant: the layer's `QuantConfig` (None with quantization off).
         pack_under_pressure: pack dense chunks early (oldest first) when an advance does not fit the pool.
+        stores: format name -> store of every tier format (`tier_stores.tier_stores`; default: `store` alone).
 
     Attributes:
         skipped: chunks the pack policy left dense (non-finite values, or packing failed).
@@ -58,6 +67,7 @@ class ChunkPacker:
         store: PackedStore | None,
         quant: QuantConfig | None,
         pack_under_pressure: bool,
+        stores: dict[str, TierStore] | None = None,
     ) -> None:
         self.pool = pool
         self.owner = owner
@@ -67,6 +77,8 @@ class ChunkPacker:
         self.store = store
         self.quant = quant
         self.pack_under_pressure = bool(pack_under_pressure)
+        self.stores: dict[str, TierStore] = dict(stores) if stores else ({store.name: store} if store else {})
+        self.tiered = bool(quant is not None and quant.tiered)
         self.skipped = 0
         #: packs the policy put off because the pool had no room for the packed rows (a full shared pool)
         self.deferred_for_room = 0
@@ -121,10 +133,27 @@ class ChunkPacker:
             deficit -= gain
         return chosen if deficit <= 0 else []
 
-    def net_pages(self, entry: RangeEntry[Segment]) -> int:
-        """Pages a dense segment gives back when packed (negative: packing needs more)."""
-        assert self.store is not None
-        return len(entry.value.pages) - self.store.pages_for_tokens(entry.end - entry.start)
+    def net_pages(self, entry: RangeEntry[Segment], fmt: str | None = None) -> int:
+        """Pages a segment gives back when packed in format `fmt` (default: the history's; negative: packing needs
+        more)."""
+        return len(entry.value.pages) - self.target(fmt).pages_for_tokens(entry.end - entry.start)
+
+    def target(self, fmt: str | None) -> TierStore:
+        """The store of format `fmt` (None: the history's)."""
+        store = self.stores[fmt] if fmt is not None else self.store
+        assert store is not None
+        return store
+
+    def store_of(self, seg: Segment) -> TierStore:
+        """The store holding a packed segment (its `fmt`'s; the history's when unnamed)."""
+        return self.target(seg.fmt)
+
+    def source_rows(self, entry: RangeEntry[Segment]) -> torch.Tensor:
+        """A segment's values as `[2, n, B, H, D]` (a temporary): its dense rows, or a packed segment's decoded rows
+        (the repack of an aging chunk starts from them)."""
+        if entry.value.packed:
+            return self.io.dequantize_segment(entry).permute(1, 0, 2, 3, 4)
+        return self.io.read_dense(entry)
 
     # ------------------------------------------------------------ unpacking (a rewrite of a packed chunk)
     def dequantize_for_unpack(
@@ -153,50 +182,61 @@ class ChunkPacker:
         if self.store is None or self.quant is None:
             return False
         changed = False
+        if self.tiered:
+            keep = (keep_start, keep_end)
+            for entry, tier in tier_targets(self.quant, sink_segment_starts(self.seq), list(self.seq.index), keep):
+                changed |= self.pack(entry, name, self.quant.tier_format(tier))
+            return changed
         for entry in layer_pack_targets(self.quant, self.seq, (keep_start, keep_end)):
             changed |= self.pack(entry, name)
         return changed
 
-    def pack(self, entry: RangeEntry[Segment], name: str) -> bool:
-        """Replace a dense segment by its PRQ-packed form (its dense pages go back to the pool). False (and the
-        segment stays dense, unchanged) when it holds non-finite values, the pool cannot hold the packed rows, or
-        quantizing fails otherwise (`PackingFailedWarning`; retried at the next advance). Everything that can fail
-        happens before the first page changes hands."""
-        store = self.store
-        assert store is not None and not entry.value.packed
-        if self.net_pages(entry) + self.pool.num_free_pages < 0:
+    def pack(self, entry: RangeEntry[Segment], name: str, fmt: str | None = None) -> bool:
+        """Replace a segment by its packed form in format `fmt` (default: the history's): a dense one is quantized,
+        a packed one (aging out of its tier) repacked from its decoded values; its old pages go back to the pool.
+        False (and the segment stays as it was) when it holds non-finite values, the pool cannot hold the packed
+        rows, or quantizing fails otherwise (`PackingFailedWarning`; retried at the next advance). Everything that
+        can fail happens before the first page changes hands."""
+        store = self.target(fmt)
+        assert not entry.value.packed or store is not self.store_of(entry.value)
+        if self.net_pages(entry, fmt) + self.pool.num_free_pages < 0:
             self.deferred_for_room += 1  # the policy retries at the next advance
             return False
         try:
-            quantized = store.quantize(self.io.read_dense(entry))
+            quantized = store.quantize(self.source_rows(entry))
         except ValueError as exc:
             self.skipped += 1
             entry.value.pack_failed = True
-            warnings.warn(f"{name}: chunk [{entry.start}, {entry.end}) stays unpacked: {exc}", stacklevel=4)
+            kept = "unpacked" if not entry.value.packed else f"in {self.format_of(entry.value)}"
+            warnings.warn(f"{name}: chunk [{entry.start}, {entry.end}) stays {kept}: {exc}", stacklevel=4)
             return False
         except Exception as exc:  # e.g. torch.OutOfMemoryError: this call's write must still happen
             self.skipped += 1
             warnings.warn(
                 PackingFailedWarning(
                     f"{name}: packing chunk [{entry.start}, {entry.end}) failed ({type(exc).__name__}: "
-                    f"{exc}); it stays bf16 and the policy retries at the next advance"
+                    f"{exc}); it stays {self.format_of(entry.value)} and the policy retries at the next advance"
                 ),
                 stacklevel=4,
             )
             return False
-        self.store_packed(entry, quantized)
+        self.store_packed(entry, quantized, fmt)
         return True
 
-    def store_packed(self, entry: RangeEntry[Segment], quantized: QuantizedChunk) -> None:
-        """Swap a dense segment's pages for packed pages holding `quantized` (from `PackedStore.quantize`)."""
-        store = self.store
-        assert store is not None
+    def format_of(self, seg: Segment) -> str:
+        """The format a segment holds: 'bf16' when dense, else its store's name."""
+        return self.store_of(seg).name if seg.packed else "bf16"
+
+    def store_packed(self, entry: RangeEntry[Segment], quantized: QuantizedChunk, fmt: str | None = None) -> None:
+        """Swap a segment's pages (dense, or packed in another format) for pages of format `fmt` (default: the
+        history's) holding `quantized` (from that store's `quantize`)."""
+        store = self.target(fmt)
         n = entry.end - entry.start
         self.pool.free(entry.value.pages, self.owner)
         pages = self.pool.alloc(store.pages_for_tokens(n), self.owner)
         n_tok = store.token_pages(n)
         store.write(pages[:n_tok], pages[n_tok:], quantized)
-        entry.value = Segment(pages, None, SegmentKind.PACKED, n_tok)
+        entry.value = Segment(pages, None, SegmentKind.PACKED, n_tok, fmt=store.name)
 
     # ------------------------------------------------------------ page accounting
     def new_dense_segment(self, tokens: int) -> Segment:
@@ -212,15 +252,23 @@ class ChunkPacker:
 
     def memory_breakdown(self) -> dict[str, int]:
         """Exact bytes: pages held by dense and packed segments, tokens retained in each, and the bytes those
-        retained rows (plus codebooks) occupy. O(segments x runs)."""
+        retained rows (plus codebooks) occupy; with tier formats also `{fmt}_pages`, `{fmt}_tokens` and
+        `{fmt}_bytes` (used bytes) of every packed format. O(segments x runs)."""
         out = {"dense_pages": 0, "packed_pages": 0, "dense_tokens": 0, "packed_tokens": 0, "used_bytes": 0}
+        if self.tiered:
+            out.update({f"{f}_{k}": 0 for f in self.stores for k in ("pages", "tokens", "bytes")})
         for entry, tokens in self.seq.retained_tokens():
             seg = entry.value
             if seg.packed:
-                assert self.store is not None
+                store = self.store_of(seg)
+                used = store.layout.used_bytes_for_tokens(tokens)
                 out["packed_pages"] += len(seg.pages)
                 out["packed_tokens"] += tokens
-                out["used_bytes"] += self.store.layout.used_bytes_for_tokens(tokens)
+                out["used_bytes"] += used
+                if self.tiered:
+                    out[f"{store.name}_pages"] += len(seg.pages)
+                    out[f"{store.name}_tokens"] += tokens
+                    out[f"{store.name}_bytes"] += used
             else:
                 out["dense_pages"] += len(seg.pages)
                 out["dense_tokens"] += tokens
@@ -238,8 +286,7 @@ class ChunkPacker:
         seg = entry.value
         tokens = entry.end - entry.start
         if seg.packed:
-            assert self.store is not None
-            keep = self.store.token_pages(tokens)
+            keep = self.store_of(seg).token_pages(tokens)
             if keep < seg.n_token_pages:
                 self.pool.free(seg.pages[keep : seg.n_token_pages], self.owner)
                 del seg.pages[keep : seg.n_token_pages]

@@ -50,6 +50,7 @@ class PackedStore:
         self, pool: BlockPool, batch_size: int, num_heads: int, head_dim: int, dtype: torch.dtype, cfg: QuantConfig
     ) -> None:
         self.cfg = cfg
+        self.name = cfg.mode  # the tier format name (int4, int2 or compact; segments name it in `Segment.fmt`)
         self.batch_size = batch_size
         self.num_heads = num_heads
         self.head_dim = head_dim
@@ -164,3 +165,13 @@ class PackedStore:
         desc = int64_on(flat + cbs, out_t.device)
         n = len(flat)
         packed_dequant(self.token_view, self.codebook_rows, desc[:n].view(-1, 5), desc[n:], head_start, out_t, self.fmt)
+
+    def dequantize_pieces(
+        self, out_t: torch.Tensor, pieces: torch.Tensor, cb_pages: torch.Tensor | None, head_start: int
+    ) -> None:
+        """A view's runs of this store's segments (a piece table `[P, 5]` on the device and the concatenated codebook
+        pages its `cb_offset`s index) into `out_t` `[T, 2, B, heads, D]`: one `packed_dequant` (a Triton launch on
+        the Triton backend, else the torch reference). Used by `page_io.PageIO` for the packed formats of a tiered
+        cache other than the history's."""
+        assert cb_pages is not None
+        packed_dequant(self.token_view, self.codebook_rows, pieces, cb_pages, head_start, out_t, self.fmt)

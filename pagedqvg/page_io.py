@@ -28,6 +28,7 @@ from .kernels.view_runs import RUN_COLUMNS, RunsTorchPlan, dense_runs, packed_ru
 from .layout import DenseTokenLayout
 from .packing import PackedStore
 from .segment import Segment
+from .tier_stores import ExtraRuns, TierStore
 
 #: Plans `PageIO` keeps (write, view and the cache's call plans); the cache is emptied when full.
 PLAN_CACHE_SIZE = 8
@@ -57,7 +58,9 @@ class ViewPlan:
     `index_select` into the output: no index arithmetic, no host read, no allocation; a run table keeps what
     `view_runs_torch` derives from it (`runs_plan`: the dense rows' gathers, the zero ranges and the packed rows'
     decode plan with its scratch), so a repeated view allocates nothing but its output and reads nothing back on
-    either kind of plan."""
+    either kind of plan. `extras`: the view's runs of packed formats other than the history's (a tiered cache;
+    `tier_stores.ExtraRuns`), each `(store, piece table, codebook pages)`, read by that store after the `view_runs`
+    call."""
 
     tokens: int
     page_idx: torch.Tensor | None = None
@@ -67,6 +70,7 @@ class ViewPlan:
     max_run: int = 0
     gather: tuple[torch.Tensor, torch.Tensor] | None = None
     runs_plan: RunsTorchPlan | None = None
+    extras: tuple = ()
 
 
 class PageIO:
@@ -75,7 +79,8 @@ class PageIO:
     Args:
         pool: the `BlockPool` holding the pages.
         layout: the dense page layout (`DenseTokenLayout`) of this layer shape.
-        packed: the layer's `PackedStore` (quantized caches), or None.
+        packed: the layer's `PackedStore` (quantized caches), or None: the history's format with tiers.
+        stores: format name -> store of every tier format (tier_stores.py; default: `packed` alone).
 
     Raises:
         ValueError: the layout's page size differs from the pool's, or a page holds no whole token.
@@ -89,7 +94,10 @@ class PageIO:
             plan indexes, on both backends.
     """
 
-    def __init__(self, pool: BlockPool, layout: DenseTokenLayout, packed: PackedStore | None) -> None:
+    def __init__(
+        self, pool: BlockPool, layout: DenseTokenLayout, packed: PackedStore | None,
+        stores: dict[str, TierStore] | None = None,
+    ) -> None:  # fmt: skip
         if layout.page_bytes != pool.page_bytes or layout.tokens_per_page < 1:
             raise ValueError(
                 f"layout of {layout.page_bytes} B pages holding {layout.tokens_per_page} tokens does not fit the "
@@ -102,6 +110,7 @@ class PageIO:
         self.num_heads = layout.num_heads
         self.head_dim = layout.head_dim
         self.packed = packed
+        self.stores: dict[str, TierStore] = dict(stores) if stores else ({packed.name: packed} if packed else {})
         self.tpp = layout.tokens_per_page
         self.rpp = layout.rows_per_page
         # Longest run of a view's run table (Triton backend): on CUDA runs are split at the dense tokens per page, so
@@ -253,20 +262,24 @@ class PageIO:
 
     def _runs(
         self, index: RangeIndex[Segment], spans: Spans, cap: int | None
-    ) -> tuple[list[tuple[int, ...]], list[int], int]:
+    ) -> tuple[list[tuple[int, ...]], list[int], int, ExtraRuns | None]:
         """A view's run table rows (kernels/view_runs.py) from its spans, split at `cap` tokens, the concatenated
-        codebook pages of its packed segments, and its token count. O(pages of the view)."""
+        codebook pages of its packed segments, its token count, and the runs of packed formats other than the
+        history's (a tiered cache; None without tiers). O(pages of the view)."""
         store = self.packed
         runs: list[tuple[int, ...]] = []
         cb_pages: list[int] = []
         cb_offset: dict[int, int] = {}  # id(segment) -> its codebook pages' offset in cb_pages
+        extra = ExtraRuns(self.stores) if len(self.stores) > 1 else None  # packed runs of the other tier formats
         o = 0
         for global_ranges, zeros in spans:
             for g0, g1 in global_ranges:
                 for entry in index.overlapping(g0, g1):
                     lo, hi = max(g0, entry.start) - entry.start, min(g1, entry.end) - entry.start
                     seg = entry.value
-                    if seg.packed:
+                    if seg.packed and extra is not None and seg.fmt not in (None, store.name):
+                        extra.add(seg, lo, hi, o)
+                    elif seg.packed:
                         assert store is not None
                         off = cb_offset.get(id(seg))
                         if off is None:
@@ -281,14 +294,14 @@ class PageIO:
                 # zero-initialised buffer reads there.
                 runs += zero_runs(o, zeros, cap)
                 o += zeros
-        return runs, cb_pages, o
+        return runs, cb_pages, o, extra
 
     def _run_plan(self, index: RangeIndex[Segment], spans: Spans, h0: int, hin: int) -> ViewPlan:
         """The run table of a whole view (`_runs`: dense, packed and zero runs split at `run_cap` tokens) and the
         concatenated codebook pages of its packed segments, in one host->device copy; on the torch backend also what
         `view_runs_torch` derives from them (`runs_torch_plan`). O(pages of the view)."""
         store = self.packed
-        runs, cb_pages, o = self._runs(index, spans, self.run_cap)
+        runs, cb_pages, o, extra = self._runs(index, spans, self.run_cap)
         desc = int64_on([x for run in runs for x in run] + cb_pages, self.device)
         n = RUN_COLUMNS * len(runs)
         table = desc[:n].view(len(runs), RUN_COLUMNS)
@@ -298,7 +311,8 @@ class PageIO:
         if self.backend == "torch":
             sources = (store.token_view, store.codebook_rows, cb_pages, store.fmt) if store is not None else None
             derived = runs_torch_plan(self.rows, runs, h0, hin, self.batch_size, sources, self.scratch)
-        return ViewPlan(o, runs=table, cb_pages=cb, max_run=max_run, runs_plan=derived)
+        extras = extra.build(self.device) if extra is not None else ()
+        return ViewPlan(o, runs=table, cb_pages=cb, max_run=max_run, runs_plan=derived, extras=extras)
 
     def build_view(self, plan: ViewPlan, h0: int, hin: int, out: torch.Tensor) -> None:
         """Fill `out` `[2, B, plan.tokens, hin, D]` with heads `[h0, h0 + hin)` of the plan's rows: dense rows
@@ -313,6 +327,8 @@ class PageIO:
         fmt = st.fmt if st is not None else None
         out_t = out.permute(2, 0, 1, 3, 4)
         view_runs(self.rows, *packed, plan.runs, h0, out_t, fmt, plan.max_run, self.backend, plan.runs_plan)
+        for other, pieces, cb in plan.extras:  # a tiered cache's other packed formats (fp8: torch on every backend)
+            other.dequantize_pieces(out_t, pieces, cb, h0)
 
     # ------------------------------------------------------------ whole segments
     def read_dense(self, entry: RangeEntry[Segment]) -> torch.Tensor:
@@ -330,8 +346,8 @@ class PageIO:
 
     def dequantize_segment(self, entry: RangeEntry[Segment]) -> torch.Tensor:
         """All tokens of a packed segment as dense `[n, 2, B, H, D]` (a temporary; nothing changes)."""
-        store = self.packed
         seg = entry.value
+        store = self.stores[seg.fmt] if seg.fmt is not None else self.packed
         assert store is not None and seg.packed
         n = entry.end - entry.start
         dense = torch.empty(n, 2, self.batch_size, self.num_heads, self.head_dim, dtype=self.dtype, device=self.device)

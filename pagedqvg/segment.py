@@ -30,6 +30,8 @@ class Segment:
     lossy: bool = False  # dense rows that came back from a packed form (until a full rewrite of every token and head)
     # dense: the row index `(page_idx, slot_idx)` `[2, B, tokens]` of all its tokens (page_io.PageIO; None when stale)
     row_index: tuple[torch.Tensor, torch.Tensor] | None = None
+    # packed: its tier format ('int4', 'int2', 'compact' or 'fp8'; tier_stores.py), None while dense
+    fmt: str | None = None
 
     @property
     def packed(self) -> bool:

@@ -7,8 +7,8 @@ reads it when it decorates kernels), so the Triton kernel tests run in Triton's 
   dense page model (`tokens_per_page`, `pages_for`, `SegmentModel`) and error-kind matching (`same_error_kind`).
 - Snapshots for "a bad call changes nothing": `cache_state`, `same`.
 - The cache's internals, reached ONLY through the small functions below (`segment_entries`, `segment_at`,
-  `segment_kind`, `cursor`, `packed_store`, `set_view_run_cap`, `wrap_pressure_plan`, `sink_segment_starts`,
-  `cache_state`): when the cache's private state moves, these are the one place the tests adapt.
+  `segment_kind`, `cursor`, `packed_store`, `tier_store`, `set_view_run_cap`, `wrap_pressure_plan`,
+  `sink_segment_starts`, `cache_state`): when the cache's private state moves, these are the one place the tests adapt.
 - Where the Triton kernel tests run: `kernel_device` says why in-process kernel tests skip when triton was already
   imported in compiled mode without a GPU, and `rerun_interpreted` runs a test file again in a fresh interpreted
   process (kernels never pass silently); `compiled_mode_json` runs a compiled-mode check in a subprocess; bit
@@ -232,6 +232,11 @@ def cursor(cache: PagedCausalKVCache) -> tuple[int, int]:
 def packed_store(cache: PagedCausalKVCache) -> Any:
     """The cache's PackedStore (None with quantization off)."""
     return cache._packed
+
+
+def tier_store(cache: PagedCausalKVCache, fmt: str) -> Any:
+    """The cache's store of tier format `fmt` (pagedqvg/tier_stores.py)."""
+    return cache._packer.stores[fmt]
 
 
 def set_view_run_cap(cache: PagedCausalKVCache, run_cap: int | None) -> None:

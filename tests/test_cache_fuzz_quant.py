@@ -32,6 +32,12 @@ Checks after every call:
   conversely every chunk packed by a call is the policy's, or pack_under_pressure's on a squeezed pool;
 - resetting every layer empties the pool.
 
+Formats by age (issue 23): `TieredFuzzMachine` runs the same rules and checks on tiered configs (a recent tier in
+int4 / fp8 / the history's format, a sink tier in bf16 / int4 / int2 / fp8; fp8 draws at head_dim 32): pages per
+segment from its own format, aged chunks (repacked from decoded values) checked against the values they were
+repacked from, and the tier policy (`check_tier_policy`) after every advance;
+`test_program_tiers_age_rewrite_rewind_pin` replays a fixed tiered program.
+
 Budget: the loaded Hypothesis profile (tests/conftest.py: ci by default, long, interp); ci's examples scaled from
 140 to 100 (see EXAMPLES), >= 1,000 steps asserted (~4,500 run).
 """
@@ -63,6 +69,7 @@ from helpers import (
     seeds,
     segment_at,
     segment_entries,
+    tier_store,
     wrap_pressure_plan,
 )
 from hypothesis import settings
@@ -72,6 +79,7 @@ from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, ru
 from pagedqvg import BlockPool, PagedCausalKVCache, PoolExhaustedError, QuantConfig
 from pagedqvg.allocator.pool import debug_state
 from pagedqvg.quant import PackedFormat, prq_dequantize, prq_quantize
+from pagedqvg.quant.config import format_rank
 
 NUM_LAYERS = 2
 D = 8
@@ -128,13 +136,25 @@ def bit_equal(a, b):
     return a.shape == b.shape and torch.equal(bits(a), bits(b))
 
 
-def packed_geometry(cfg):
-    """(packed tokens per page, codebook pages per segment), from the byte format (pagedqvg/quant/format.py):
+def format_quant(cfg, fmt=None):
+    """The `QuantConfig` of packed format `fmt` in the config's tiers (None or the history's name: the config's own;
+    tiers: `QuantConfig.tier_quant` of the tier holding that format)."""
+    q = cfg["quant"]
+    if fmt is None or fmt == q.mode:
+        return q
+    tier = next(t for t in ("sink", "recent") if q.tier_format(t) == fmt)
+    return q.tier_quant(tier)
+
+
+def packed_geometry(cfg, q=None):
+    """(packed tokens per page, codebook pages per segment) of PRQ config `q` (default: the config's), from the
+    byte format (pagedqvg/quant/format.py):
     per (token, head) codes D*bits/8 B (trits: ceil(D/5)), D/block_size fp8 scales, as many fp8 zeros when
     asymmetric, one uint8 id per stage; a token row holds every head; codebook rows of centroids x D cache-dtype
     values (1-byte fp8 values with codebook_fp8, as in the compact mode), one per (K/V, batch, head, stage); whole
     rows per page, whole tokens (K and V rows of every batch element) per token page."""
-    q, H, B, page = cfg["quant"], cfg["H"], cfg["B"], cfg["page_bytes"]
+    q = cfg["quant"] if q is None else q
+    H, B, page, D = cfg["H"], cfg["B"], cfg["page_bytes"], cfg.get("D", 8)
     nb = D // q.block_size
     code = -(-D // 5) if q.pack_trits else D * q.bits // 8
     token_row = H * (code + nb + (nb if q.asymmetric else 0) + q.stages)
@@ -143,9 +163,21 @@ def packed_geometry(cfg):
     return (page // token_row) // (2 * B), -(-cb_rows // (page // cb_row))
 
 
-def packed_pages(cfg, tokens):
-    tpp, cb_pages = packed_geometry(cfg)
+def packed_pages(cfg, tokens, fmt=None):
+    """Pages of a packed segment of `tokens` tokens in format `fmt` (default: the history's). fp8 (quant/fp8.py):
+    D value bytes + one exponent byte per 32 channels per (token, head), whole tokens per page, no codebooks."""
+    if fmt == "fp8":
+        D = cfg["D"]
+        tpp = (cfg["page_bytes"] // (cfg["H"] * (D + D // 32))) // (2 * cfg["B"])
+        return -(-tokens // tpp)
+    tpp, cb_pages = packed_geometry(cfg, format_quant(cfg, fmt))
     return -(-tokens // tpp) + cb_pages
+
+
+def tier_formats(cfg):
+    """The packed formats the config's tiers use (the history's first)."""
+    q = cfg["quant"]
+    return list(dict.fromkeys(f for f in (q.mode, q.tier_format("sink"), q.tier_format("recent")) if f != "bf16"))
 
 
 def max_new_tokens(cfg):
@@ -156,7 +188,7 @@ def pool_pages_needed(cfg):
     """Pages the quant-off and quant-on caches of every layer can hold at once (never exhausted unless squeezed)."""
     live = MAX_LIVE_SEGMENTS_WITH_GROWTH if cfg["grow"] else cfg["C"]
     dense = pages_for(cfg, max_new_tokens(cfg))
-    per_seg_quant = max(dense, packed_pages(cfg, max_new_tokens(cfg)))
+    per_seg_quant = max([dense] + [packed_pages(cfg, max_new_tokens(cfg), f) for f in tier_formats(cfg)])
     return NUM_LAYERS * (live * dense + (live + 2) * per_seg_quant)
 
 
@@ -166,8 +198,9 @@ def read_packed(cache, entry):
     values, whichever page pieces and heads they read)."""
     seg = entry.value
     n = entry.end - entry.start
-    out = torch.empty(n, 2, cache.batch_size, cache.num_cache_heads, D, dtype=cache.dtype)
-    packed_store(cache).dequantize_into(out, seg.pages[: seg.n_token_pages], seg.pages[seg.n_token_pages :], 0, n, 0)
+    out = torch.empty(n, 2, cache.batch_size, cache.num_cache_heads, cache.head_dim, dtype=cache.dtype)
+    store = packed_store(cache) if seg.fmt is None else tier_store(cache, seg.fmt)
+    store.dequantize_into(out, seg.pages[: seg.n_token_pages], seg.pages[seg.n_token_pages :], 0, n, 0)
     return out
 
 
@@ -286,7 +319,7 @@ class QuantFuzzMachine(write_order_rules(NUM_LAYERS)):
         self.refs = [DenseReferenceCache(dtype=cfg["dtype"], **kw) for _ in range(NUM_LAYERS)]
         self.models = [SegmentModel() for _ in range(NUM_LAYERS)]
         self.last_chunk = [None] * NUM_LAYERS
-        shape = (64, 2, cfg["B"], cfg["H"], D)
+        shape = (64, 2, cfg["B"], cfg["H"], cfg["D"])
         self.shadow = [torch.zeros(shape, dtype=cfg["dtype"]) for _ in range(NUM_LAYERS)]
         self.lossy = [torch.zeros(64, cfg["H"], dtype=torch.bool) for _ in range(NUM_LAYERS)]
         self.packed_from = [{} for _ in range(NUM_LAYERS)]
@@ -339,7 +372,8 @@ class QuantFuzzMachine(write_order_rules(NUM_LAYERS)):
     def call_write(self, i, s, n, hin, h0, r, seed, nonfinite=None):
         cfg = self.cfg
         ref, plain = self.refs[i], self.plain[i]
-        k, v = make_kv(cfg, n, hin, seed) if n > 0 else (torch.empty(cfg["B"], 0, hin, D, dtype=cfg["dtype"]),) * 2
+        empty = torch.empty(cfg["B"], 0, hin, cfg["D"], dtype=cfg["dtype"])
+        k, v = make_kv(cfg, n, hin, seed) if n > 0 else (empty, empty)
         if nonfinite is not None and n > 0:
             g = torch.Generator().manual_seed(seed + 1)
             for t, val in zip((k, v), nonfinite, strict=True):
@@ -401,7 +435,8 @@ class QuantFuzzMachine(write_order_rules(NUM_LAYERS)):
         packed_now = self.sync_packed(i)
         COUNTS["accepted on a squeezed pool"] += squeezed
         self.check_view(i, ref, pv, qv, h0, hin, r)
-        targets = self.check_policy(i, s, s + n, squeezed) if advanced else set()
+        check = self.check_tier_policy if self.cfg["quant"].tiered else self.check_policy
+        targets = check(i, s, s + n, squeezed) if advanced else set()
         # the converse: a pack that is not the policy's is pack_under_pressure's, on a pool that lacked room
         early = [g for g in packed_now if g not in targets]
         if early:
@@ -434,6 +469,9 @@ class QuantFuzzMachine(write_order_rules(NUM_LAYERS)):
             if e.start in old and old[e.start][0] is e.value:  # unchanged (a rewind may have truncated it)
                 new[e.start] = (e.value, old[e.start][1][:n])
                 continue
+            # a packed segment replaced by another packed one: aged into a coarser tier format, from its decoded
+            # values (the shadow), which the error bound is checked against
+            COUNTS[f"repacks (aging) into {e.value.fmt}"] += e.start in old
             dense = self.shadow[i][e.start : e.end].clone()
             assert torch.isfinite(dense).all(), f"segment [{e.start}, {e.end}) holds non-finite values but was packed"
             self.shadow[i][e.start : e.end] = read_packed(cache, e)
@@ -519,6 +557,44 @@ class QuantFuzzMachine(write_order_rules(NUM_LAYERS)):
             else:
                 COUNTS["policy targets packed"] += 1
         return {g0 for g0, _ in targets}
+
+    def check_tier_policy(self, i, s, e, squeezed):
+        """`check_policy` for formats by age (README, "Formats by age"): after an advance writing [s, e), every
+        completed segment not overlapping the write holds a format at most as precise as its tier's (sink beyond
+        `sink_keep_chunks`, the `keep_recent_chunks` newest non-sink ones recent, older history; a chunk never ages
+        back up, so a coarser one than its tier is fine) unless non-finite or squeezed. Returns the starts of the
+        segments whose tier is packed."""
+        cache, q = self.quant[i], self.cfg["quant"]
+        values = {x.start: x.value for x in segment_entries(cache)}
+        segs = self.models[i].segs
+        assert not values[segs[-1][0]].packed, f"the current chunk {segs[-1]} is packed"
+        sinks = self.sink_segment_starts(i)
+        completed = segs[:-1]
+        rest = [x[0] for x in completed if x[0] not in sinks]
+        recent_starts = set(rest[len(rest) - q.keep_recent_chunks :]) if q.keep_recent_chunks else set()
+        kept_sinks = set(sorted(x[0] for x in completed if x[0] in sinks)[: q.sink_keep_chunks])
+        targets = set()
+        for g0, g1 in completed:
+            seg = values[g0]
+            have = seg.fmt if seg.packed else "bf16"
+            assert have in ("bf16", *tier_formats(self.cfg)), f"segment [{g0}, {g1}) holds {have}"
+            if g0 < e and s < g1:
+                assert not seg.packed, f"segment [{g0}, {g1}) overlaps this call's write [{s}, {e}) but is packed"
+                continue
+            if g0 in kept_sinks:
+                continue
+            tier = "sink" if g0 in sinks else ("recent" if g0 in recent_starts else "history")
+            want = q.tier_format(tier)
+            if want == "bf16":
+                continue
+            targets.add(g0)
+            if format_rank(have) <= format_rank(want):
+                COUNTS[f"tier targets in {want} (or coarser)"] += 1
+            elif not squeezed:
+                finite = bool(torch.isfinite(self.shadow[i][g0:g1]).all())
+                assert not finite, f"layer {i}: [{g0}, {g1}) ({tier}) holds {have}, its tier {want} (segments {segs})"
+                COUNTS["tier targets left as they were (non-finite)"] += 1
+        return targets
 
     def call_simple(self, i, name, *args):
         """pin / rewind / reset on all three; same error kind; a failed call changes nothing."""
@@ -657,7 +733,7 @@ class QuantFuzzMachine(write_order_rules(NUM_LAYERS)):
             packed_tokens = 0
             for x in segment_entries(q):
                 n = x.end - x.start
-                want = packed_pages(cfg, n) if x.value.packed else pages_for(cfg, n)
+                want = packed_pages(cfg, n, x.value.fmt) if x.value.packed else pages_for(cfg, n)
                 assert len(x.value.pages) == want, (x.start, x.end, x.value.kind, len(x.value.pages), want)
                 if x.value.packed:
                     packed_tokens += sum(1 for g in live if x.start <= g < x.end)
@@ -1013,3 +1089,92 @@ def test_program_pack_unpack_rewind_pin_compact():
         quant=q,
     )
     assert m.packed_from[1]
+
+
+# ------------------------------------------------------------------------------------------------ formats by age
+#: Examples of the tiered state machine under the ci profile (a third of them at head_dim 32 with fp8 tiers; 40
+#: examples ran 1,689 steps in 147 s on the shared 2-core machine, 20 about half).
+TIERED_EXAMPLES = {"ci": 20}
+
+
+@st.composite
+def tiered_configs(draw):
+    """The machine's configs with formats by age (issue 23): a recent tier of int4 / fp8 / the history's format
+    (never coarser than the history's), a sink tier of bf16 / int4 / int2 / fp8 / the history's; fp8 needs head_dim
+    a multiple of 32, so those draws run at D = 32 (pages scaled with D: every row and codebook row scales with
+    it). Always tiered (`QuantConfig.tiered`)."""
+    cfg = draw(configs())
+    q = cfg["quant"]
+    fp8 = draw(st.sampled_from([False, False, True]))
+    formats = ["int4", "int2"] + (["fp8"] if fp8 else [])
+    recent_choices = [f for f in ["bf16", *formats] if format_rank(f) >= format_rank(q.mode)]
+    recent_fmt = draw(st.sampled_from(recent_choices))
+    sink_fmt = draw(st.sampled_from([None, "bf16", *formats]))
+    if sink_fmt in (None, "bf16") and recent_fmt == "bf16":
+        recent_fmt = "int4"  # something must differ from the untiered defaults
+    quant = dataclasses.replace(
+        q,
+        recent_format=recent_fmt,
+        sink_format=sink_fmt,
+        sink=q.sink or sink_fmt not in (None, "bf16"),
+        keep_recent_chunks=max(q.keep_recent_chunks, 1 if recent_fmt != "bf16" else 0),
+    )
+    if not quant.tiered:  # the sink drawn in the history's format and the recent tier bf16
+        quant = dataclasses.replace(quant, recent_format="int4", keep_recent_chunks=max(1, quant.keep_recent_chunks))
+    if fp8:
+        cfg = dict(cfg, D=32, page_bytes=cfg["page_bytes"] * 4)
+    return dict(cfg, quant=quant)
+
+
+class TieredFuzzMachine(QuantFuzzMachine):
+    """QuantFuzzMachine, drawing tiered configs: chunks pack into their tier's format and age into the history's
+    (repacked from decoded values); views, rewrites of aged chunks, rewinds, pins, head slices, pressure packs and
+    squeezed pools all run with several packed formats in one cache."""
+
+    @initialize(cfg=tiered_configs())
+    def setup(self, cfg):
+        QuantFuzzMachine.setup(self, cfg)
+
+
+def test_state_machine_tiered():
+    profile = os.environ.get("PAGEDQVG_FUZZ_PROFILE", "ci")
+    n = TIERED_EXAMPLES.get(profile, settings.default.max_examples)
+    before, counts0 = STEPS[0], Counter(COUNTS)
+    run_state_machine_as_test(TieredFuzzMachine, settings=settings(parent=settings.default, max_examples=n))
+    ran, counts = STEPS[0] - before, COUNTS - counts0
+    print(f"tiered state machine: {ran} steps, largest packed-row error ratio {MAX_RATIO[0]:.3f}; {dict(counts)}")
+    assert ran >= (400 if profile == "ci" else 1)
+    assert MAX_RATIO[0] <= ERR_BOUND
+
+
+def test_program_tiers_age_rewrite_rewind_pin():
+    """A deterministic tiered program through the machine's checks: the sink in int2, recent int4, history int2
+    (chunks age int4 -> int2 from their decoded values), a head-sliced rewrite of an aged chunk (unpack), a scene cut
+    pinning the current chunk as the sink, a rewind into an aged chunk, a reset."""
+    P, Dn = "packed", "dense"
+    q = QuantConfig(bits=2, centroids=3, block_size=4, keep_recent_chunks=1, sink_format="int2", recent_format="int4")
+    before = Counter(COUNTS)
+    m = run_program(
+        dict(C=20, S=4, H=2, B=2),
+        [
+            ("w", 0, 0, 4),
+            ("w", 0, 4, 4),
+            ("w", 0, 8, 4),  # chunk 1 int4 (recent), the sink int2
+            ("w", 0, 12, 4),  # chunk 1 ages into int2, chunk 2 int4
+            ("expect", 0, [(0, 4, P), (4, 8, P), (8, 12, P), (12, 16, Dn)]),
+            ("w", 0, 5, 2, 1, 1),  # a head-sliced rewrite inside aged chunk 1 unpacks it
+            ("expect", 0, [(0, 4, P), (4, 8, Dn), (8, 12, P), (12, 16, Dn)]),
+            ("w", 0, 16, 4),  # chunk 1 back to int2 (history), chunk 2 ages, chunk 3 int4
+            ("pin", 0, 4),
+            ("w", 0, 20, 3),
+            ("rewind", 0, 10),  # into aged chunk 2: keeps its codebooks and 2 tokens
+            ("expect", 0, [(0, 4, P), (4, 8, P), (8, 10, P)]),
+            ("w", 0, 10, 4),
+            ("w", 0, 14, 4),
+            ("reset", 0),
+        ],
+        quant=q,
+    )
+    repacks = sum(v for k, v in (COUNTS - before).items() if k.startswith("repacks (aging)"))
+    assert repacks >= 2 and (COUNTS - before)["packed rows checked"] > 0, dict(COUNTS - before)
+    assert m.cfg["quant"].tiered

@@ -107,6 +107,32 @@ QUANT_CASES = {
 }
 
 
+# Formats by age (issue 23): chunks pack into their tier's format and age (repacked) into the history's; the planner
+# replays the same tier policy (policy.tier_targets), so plan == measured holds call by call here too.
+TIER_CASES = {
+    "sink-int4-recent-int4-history-compact": tiny(
+        quant=QuantConfig.compact(sink_format="int4", recent_format="int4", **SMALL_QUANT)
+    ),
+    "sink-bf16-recent-fp8-history-int2": tiny(
+        head_dim=32, quant=QuantConfig(bits=2, sink=False, recent_format="fp8", **SMALL_QUANT)
+    ),
+    "sink-int4-recent-fp8-history-int2-keep2-pins": tiny(
+        head_dim=32,
+        global_sink=False,
+        window_frames=10,
+        scene_cut_every=3,
+        chunks=12,
+        quant=QuantConfig(bits=2, sink_format="int4", recent_format="fp8", keep_recent_chunks=2, **SMALL_QUANT),
+    ),
+    "sink-fp8-recent-int4-history-int2-unaligned": tiny(
+        head_dim=32,
+        sink_frames=3,
+        page_bytes=768,
+        quant=QuantConfig(bits=2, sink_format="fp8", recent_format="int4", sink_keep_chunks=1, **SMALL_QUANT),
+    ),
+}
+
+
 def _run_and_check(w: Workload) -> None:
     geom = Geometry.from_workload(w)
     plan = plan_geometry(geom, replay=True)
@@ -144,6 +170,13 @@ def test_plan_equals_pool_stats_bf16(case: str) -> None:
 @pytest.mark.parametrize("case", sorted(QUANT_CASES))
 def test_plan_equals_pool_stats_quantized(case: str) -> None:
     _run_and_check(QUANT_CASES[case])
+
+
+@pytest.mark.parametrize("case", sorted(TIER_CASES))
+def test_plan_equals_pool_stats_tiered(case: str) -> None:
+    """Tiered configs: pages, held/used/bf16/packed bytes and views equal the plan's after every call (the pool is
+    sized at the plan's high-water mark), with repacks of aging chunks in between."""
+    _run_and_check(TIER_CASES[case])
 
 
 def test_simulate_propagates_cache_errors_instead_of_running_bf16(monkeypatch) -> None:

@@ -125,10 +125,12 @@ def test_cli_flags(capsys):
     assert code == 2 and "--kv-cache-quant-recent" in err and "off" in err
 
 
-def test_the_cache_refuses_tiers_it_cannot_age_yet():
+def test_the_cache_takes_tiered_configs():
+    """The cache ages tiers (tests/test_cache_tiers.py); a tiered config builds a cache with a store per format."""
     pool = BlockPool(capacity_bytes=1 << 21, page_bytes=1 << 15)
     base = dict(pool=pool, batch_size=1, cache_size=64, num_heads=2, head_dim=64, dtype=torch.bfloat16, device="cpu")
-    with pytest.raises(CacheConfigError, match="not implemented in the cache yet"):
-        PagedCausalKVCache(quant=QuantConfig(bits=2, recent_format="int4"), **base)
-    assert pool.stats().used_pages == 0
+    cache = PagedCausalKVCache(quant=QuantConfig(bits=2, recent_format="int4"), **base)
+    assert set(cache._packer.stores) == {"int2", "int4"}
+    cache.close()
     PagedCausalKVCache(quant=QuantConfig(bits=2, sink_format="int2"), **base).close()  # the history's: not tiered
+    assert pool.stats().used_pages == 0
