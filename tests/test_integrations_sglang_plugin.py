@@ -201,6 +201,25 @@ def test_base_hook_builds_paged_caches_and_quant_override(configured):
     assert packed[0]._seq.spec.global_sink_tokens == 2  # SGLang's QVG path refuses a global sink
 
 
+def test_tier_variables_reach_the_packed_caches(configured):
+    """PAGEDQVG_KV_CACHE_QUANT_SINK / _RECENT through the hook: every packed cache ages by them (sink and recent int4,
+    history int2 here; formats per retained token from `memory_breakdown` after three chunks and a fourth written)."""
+    env = {"PAGEDQVG_BUDGET": "1GiB", "PAGEDQVG_KV_CACHE_QUANT": "int2", "PAGEDQVG_KV_CACHE_QUANT_CENTROIDS": "4",
+           SINK: "int4", RECENT: "int4"}  # fmt: skip
+    configured._config["quant"] = settings_from_env(env).quant
+    args = {**ARGS, "kv_cache_size": 24, "global_sink_tokens": 4}
+    caches = integ.allocate_around(_Stage._allocate_causal_kv_cache, _Stage(), **args)
+    assert [type(c) for c in caches] == [integ.PagedQVGPackedCausalKVCache] * 2
+    q = caches[0].quant
+    assert [q.tier_format(t) for t in ("sink", "recent", "history")] == ["int4", "int4", "int2"]
+    gen = torch.Generator().manual_seed(0)
+    for chunk in range(4):  # 4-token chunks: the sink, a history chunk, the recent chunk, the current chunk
+        kv = [torch.randn(1, 4, 2, 8, generator=gen) for _ in range(2)]
+        caches[0].update_and_get_attention_kv(key=kv[0], value=kv[1], current_chunk_start=4 * chunk)
+    formats = {k: v for k, v in caches[0].memory_breakdown().items() if k.endswith("_tokens")}
+    assert formats == {"dense_tokens": 4, "packed_tokens": 12, "int4_tokens": 8, "int2_tokens": 4}
+
+
 def test_lingbot_hook_delegates_to_sglang_when_quantization_is_off(configured):
     original = _Stage._allocate_causal_kv_cache
     assert integ.lingbot_allocate_around(original, _Stage(), **ARGS) == ["sglang's own"]
