@@ -63,7 +63,7 @@ PAGEDQVG_SGLANG_SRC="$work/src" "$PYTHON" -m pytest -q -p no:cacheprovider tests
 PAGEDQVG_SGLANG_SRC="$work/src" "$PYTHON" -m pytest -q -p no:cacheprovider tests/test_integrations_sglang_sessions.py \
   -k real_lingbot
 # The rollout benchmark's core at tiny size on SGLang's real LongLive2 stage (6 chunks, scene cuts and pins; quant
-# off bit for bit SGLang's dense cache, int4 below int2 at every chunk): about a minute, most of it SGLang's imports.
+# off bit for bit SGLang's dense cache, int4 and the recommended tiers at or below int2 at every chunk): ~30-70 s.
 PAGEDQVG_SGLANG_SRC="$work/src" "$PYTHON" -m pytest -q -p no:cacheprovider tests/test_bench_sglang_rollout.py
 cd "$work/src"
 echo "sglang_suite: done in $(( $(date +%s) - start )) s"
