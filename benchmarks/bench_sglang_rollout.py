@@ -6,7 +6,7 @@ the final latents' relative L2 error against SGLang's dense cache for every chun
 (tests/test_bench_sglang_rollout.py runs the core at tiny size).
 
     PYTHONPATH=$PWD python benchmarks/bench_sglang_rollout.py SGLANG_SRC --json benchmarks/results/sglang_rollout.json \
-        --plot benchmarks/results/sglang_rollout.png
+        --plot benchmarks/results/sglang_rollout.png --pareto benchmarks/results/bench_tiers.json   # ~2.5 min
 
 SGLANG_SRC: a folder holding SGLang 0.5.23's `sglang` package (the wheel extracted without `sglang/__init__.py`, as
 .ci/sglang_suite.sh does); SGLang's heavy third-party imports resolve to .ci/sglang_plugin.py's placeholders, set up
@@ -15,12 +15,12 @@ as tests/sglang_longlive2_pages.py does (about a minute of imports).
 The loop, as `LongLive2CausalDMDDenoisingStage` runs it with multi-shot prompts: per chunk, DMD steps t = 1000, 750,
 500, 250 (each predicts x0 = x_t - sigma v, sigma = t / 1000, and re-noises it to the next step's sigma; every step
 rewrites the chunk's K/V), then a clean pass at t = 0 that writes the chunk's context K/V. Every `--cut-every` chunks
-a scene cut: a new prompt (text embedding), the shot's RoPE temporal offset (8 frames per shot, SGLang's default),
-and after the chunk's clean pass `pin_current_chunk` on every layer's cache (as the stage's `_pin_current_chunk`):
-the cut chunk becomes the pinned sink beside the global sink (LongLive2's `global_sink_tokens` = its sink).
-Geometry: 2 layers x 2 heads x 128 channels, 16x16 latents (64 tokens a frame), 2-frame chunks (128 tokens), a
-1-chunk sink, a 7-chunk window (LingBot-World's 18-frame window in chunks: sink, 4 history, 1 recent, the current
-chunk), fp32 by default (the bf16 rounding noise of this tiny model is of the order of int2's error; `--dtype
+a scene cut: a new prompt (text embedding), the shot's RoPE temporal offset (8 frames per shot, SGLang's default), and
+after the chunk's clean pass `pin_current_chunk` on every layer's cache (as the stage's `_pin_current_chunk`): the cut
+chunk becomes the pinned sink beside the global sink (LongLive2's `global_sink_tokens` = its sink). Geometry: 2 layers
+x 2 heads x 128 channels, 16x16 latents (64 tokens a frame), 2-frame chunks (128 tokens), a 1-chunk sink, a 7-chunk
+window (LingBot-World's 18-frame window in chunks: sink, 4 history, 1 recent, the current chunk), fp32 by default (in
+bf16 the rounding of this tiny model puts a floor of ~4.4e-3 under every setting, half of int2's error; `--dtype
 bfloat16` runs it). Settings: benchmarks/bench_tiers.py's, with `--centroids` centroids (default 4: 32 tokens a
 centroid, as LingBot-World's 4,680-token chunks with 128 centroids have 37).
 """
