@@ -62,5 +62,8 @@ PAGEDQVG_SGLANG_SRC="$work/src" "$PYTHON" -m pytest -q -p no:cacheprovider tests
 # dispose and after one-shot calls): tests/test_integrations_sglang_sessions.py's real-stage test (~1 min).
 PAGEDQVG_SGLANG_SRC="$work/src" "$PYTHON" -m pytest -q -p no:cacheprovider tests/test_integrations_sglang_sessions.py \
   -k real_lingbot
+# The rollout benchmark's core at tiny size on SGLang's real LongLive2 stage (6 chunks, scene cuts and pins; quant
+# off bit for bit SGLang's dense cache, int4 and the recommended tiers at or below int2 at every chunk): ~30-70 s.
+PAGEDQVG_SGLANG_SRC="$work/src" "$PYTHON" -m pytest -q -p no:cacheprovider tests/test_bench_sglang_rollout.py
 cd "$work/src"
 echo "sglang_suite: done in $(( $(date +%s) - start )) s"

@@ -249,13 +249,18 @@ def get_preset(name: str) -> Workload:
         raise ValueError(f"unknown preset {name!r}; known presets: {', '.join(PRESETS)}") from None
 
 
-#: Formats by age recommended per full-size preset (issue 23; README "Formats by age"): sink int4, the recent chunk
-#: int4, the history compact. Why, at LingBot-World's 18-frame window (40 layers): 7.36 GiB (3.39x dense) vs 10.07
-#: GiB for reference int2, with a lower attention-output error (0.0875 vs 0.0986, benchmarks/bench_tiers.py) even
-#: with the recent chunk repacked from its decoded int4 values; the cheapest setting that beats int2 on both the
-#: bytes target (<= 7.6 GiB) and the attention error. LongLive2 and Self-Forcing share the chunk structure (one
-#: sink chunk, keep_recent 1, head_dim 128). Not the presets' default yet: the cache refuses tiered configs until
-#: its aging lands (the planner and `simulate --dry-run` already account for them).
+#: Formats by age recommended per full-size preset (issue 23; README "Formats by age", Pareto table): sink int4, the
+#: recent chunk int4, the history compact. Why, at LingBot-World's 18-frame window (40 layers): 7.36 GiB (3.39x
+#: dense; `pagedqvg plan`'s tier lines) vs 10.07 GiB for reference int2, with a lower attention-output error (0.0875
+#: vs 0.0986, benchmarks/bench_tiers.py, the recent chunk repacked from its decoded int4 values) and, through SGLang's
+#: real LongLive2 stage (benchmarks/bench_sglang_rollout.py: 24 chunks, scene cuts, tiny random weights, fp32), a
+#: rollout error at or below int2's at every chunk (at most 0.54x; max 4.3e-3 vs 1.1e-2). The int4 sink is what
+#: keeps the early chunks close (the sink's format sets chunk 1's error: 1.8e-3 vs compact's 5.1e-3 and int2's
+#: 1.1e-2). The one smaller setting that also meets issue 23's target, sink compact / recent int4 / history compact
+#: (6.79 GiB), has higher errors on both measures (0.0921; rollout mean 3.6e-3 vs 2.5e-3). LongLive2 and Self-Forcing
+#: share the chunk structure (one sink chunk, keep_recent 1, head_dim 128). The presets' own quantization stays off
+#: (SGLang's default); this is the setting to pass (`--kv-cache-quant compact --kv-cache-quant-sink int4
+#: --kv-cache-quant-recent int4`, or the plugin's PAGEDQVG_KV_CACHE_QUANT* variables).
 RECOMMENDED_TIERS: dict[str, QuantConfig] = {
     name: QuantConfig.compact(sink_format="int4", recent_format="int4")
     for name in ("lingbot-world", "longlive2", "self-forcing")

@@ -10,12 +10,23 @@ from pathlib import Path
 import pytest
 import torch
 
-from pagedqvg import BlockPool, IntegrationError
+from pagedqvg import BlockPool, IntegrationError, QuantConfig
 from pagedqvg.integrations import sglang as integ
 from pagedqvg.integrations import sglang_plugin as plugin
 from pagedqvg.integrations.sglang_plugin import PluginConfigError, settings_from_env
 
 GiB, MiB = 1 << 30, 1 << 20
+SINK, RECENT = "PAGEDQVG_KV_CACHE_QUANT_SINK", "PAGEDQVG_KV_CACHE_QUANT_RECENT"
+#: Bad tier variables: (history format, tier variables, the variable the message names, a fragment of its reason).
+TIER_BAD = [
+    ("int2", {RECENT: "int3"}, RECENT, "not a tier format"),
+    ("int2", {RECENT: ""}, RECENT, "not a tier format"),
+    ("int2", {SINK: "int3"}, SINK, "fp8, int4, int2, compact"),
+    ("int4", {RECENT: "int2"}, RECENT, "coarser than the history's 'int4'"),
+    ("compact", {RECENT: "compact", SINK: "fp9"}, SINK, f"{RECENT}='compact'"),
+    ("int2", {RECENT: "fp8", "PAGEDQVG_KV_CACHE_QUANT_KEEP_RECENT": "0"}, RECENT, "KEEP_RECENT='0'"),
+    ("int2", {"PAGEDQVG_KV_CACHE_QUANT_RECENT_FORMAT": "int4"}, "PAGEDQVG_KV_CACHE_QUANT_RECENT_FORMAT", "unknown"),
+]
 BAD = [
     ({"PAGEDQVG_BUDGET": "-5GiB"}, "PAGEDQVG_BUDGET", "'-5GiB'"),
     ({"PAGEDQVG_BUDGET": "lots"}, "PAGEDQVG_BUDGET", "'lots'"),
@@ -42,6 +53,11 @@ BAD = [
         "unknown",
     ),
     ({"PAGEDQVG_BUDGET": "1GiB", "PAGEDQVG_KV_CACHE_QUANT_STAGES": "2"}, "PAGEDQVG_KV_CACHE_QUANT_STAGES", "without"),
+    ({"PAGEDQVG_BUDGET": "1GiB", RECENT: "int4"}, RECENT, "without"),
+    *[
+        ({"PAGEDQVG_BUDGET": "1GiB", "PAGEDQVG_KV_CACHE_QUANT": base, **tiers}, variable, fragment)
+        for base, tiers, variable, fragment in TIER_BAD
+    ],
     ({"PAGEDQVG_KV_CACHE_QUANT": "int2"}, "PAGEDQVG_KV_CACHE_QUANT", "PAGEDQVG_BUDGET"),
     ({"PAGEDQVG": "on"}, "PAGEDQVG", "PAGEDQVG_BUDGET"),
     ({"PAGEDQVG": "maybe"}, "PAGEDQVG", "valid: off"),
@@ -56,7 +72,7 @@ def test_each_bad_value_names_variable_value_and_valid_forms(env, variable, frag
     assert f"{variable}=" in message and fragment in message and "valid" in message
 
 
-@pytest.mark.parametrize(("env", "variable", "fragment"), BAD[:3] + BAD[-3:], ids=str)
+@pytest.mark.parametrize(("env", "variable", "fragment"), BAD[:3] + BAD[-6:], ids=str)
 def test_register_stops_the_process_on_a_bad_value(monkeypatch, env, variable, fragment):
     """SystemExit, not an Exception: SGLang's load_plugins() catches Exception and goes on with its own caches."""
     for key in [k for k in __import__("os").environ if k.startswith("PAGEDQVG")]:
@@ -96,6 +112,27 @@ def test_quant_variables_become_sglang_flag_names():
     assert s.active and s.memory_fraction == 0.5
     assert s.quant == {"kv_cache_quant": "int2", "kv_cache_quant_centroids": "16", "kv_cache_quant_keep_recent": "0"}
     assert "kv_cache_quant=int2" in s.describe()
+
+
+@pytest.mark.parametrize(
+    ("base", "tiers", "expected"),
+    [
+        ("compact", {SINK: "int4", RECENT: "int4"}, QuantConfig.compact(sink_format="int4", recent_format="int4")),
+        ("int2", {SINK: "bf16", RECENT: "fp8"}, QuantConfig(bits=2, sink=False, recent_format="fp8")),
+        ("int2", {SINK: "FP8", RECENT: " int2 "}, QuantConfig(bits=2, sink_format="fp8", recent_format="int2")),
+        ("int4", {SINK: "true", RECENT: "bf16"}, QuantConfig(bits=4)),
+        ("int4", {SINK: "off"}, QuantConfig(bits=4, sink=False)),
+    ],
+)
+def test_tier_variables_reach_the_sglang_mapping(base, tiers, expected):
+    """PAGEDQVG_KV_CACHE_QUANT_SINK / _RECENT become SGLang's flag names and, through the integration's mapping, the
+    tier formats of `QuantConfig` (sink_format / recent_format); describe() names the tiers of a tiered setting."""
+    s = settings_from_env({"PAGEDQVG_BUDGET": "1GiB", "PAGEDQVG_KV_CACHE_QUANT": base, **tiers})
+    names = {SINK: "kv_cache_quant_sink", RECENT: "kv_cache_quant_recent"}
+    assert s.quant == {"kv_cache_quant": base, **{names[k]: v for k, v in tiers.items()}}
+    assert integ.quant_config_from_sglang(s.quant, 128) == expected
+    tiers_line = ", ".join(f"{t} {expected.tier_format(t)}" for t in ("sink", "recent", "history"))
+    assert (f"(tiers: {tiers_line})" in s.describe()) == expected.tiered
 
 
 def test_another_sglang_version_stops_with_the_version(monkeypatch):
@@ -162,6 +199,25 @@ def test_base_hook_builds_paged_caches_and_quant_override(configured):
     packed = integ.allocate_around(original, _Stage(), **ARGS)
     assert [type(c) for c in packed] == [integ.PagedQVGPackedCausalKVCache] * 2
     assert packed[0]._seq.spec.global_sink_tokens == 2  # SGLang's QVG path refuses a global sink
+
+
+def test_tier_variables_reach_the_packed_caches(configured):
+    """PAGEDQVG_KV_CACHE_QUANT_SINK / _RECENT through the hook: every packed cache ages by them (sink and recent int4,
+    history int2 here; formats per retained token from `memory_breakdown` after three chunks and a fourth written)."""
+    env = {"PAGEDQVG_BUDGET": "1GiB", "PAGEDQVG_KV_CACHE_QUANT": "int2", "PAGEDQVG_KV_CACHE_QUANT_CENTROIDS": "4",
+           SINK: "int4", RECENT: "int4"}  # fmt: skip
+    configured._config["quant"] = settings_from_env(env).quant
+    args = {**ARGS, "kv_cache_size": 24, "global_sink_tokens": 4}
+    caches = integ.allocate_around(_Stage._allocate_causal_kv_cache, _Stage(), **args)
+    assert [type(c) for c in caches] == [integ.PagedQVGPackedCausalKVCache] * 2
+    q = caches[0].quant
+    assert [q.tier_format(t) for t in ("sink", "recent", "history")] == ["int4", "int4", "int2"]
+    gen = torch.Generator().manual_seed(0)
+    for chunk in range(4):  # 4-token chunks: the sink, a history chunk, the recent chunk, the current chunk
+        kv = [torch.randn(1, 4, 2, 8, generator=gen) for _ in range(2)]
+        caches[0].update_and_get_attention_kv(key=kv[0], value=kv[1], current_chunk_start=4 * chunk)
+    formats = {k: v for k, v in caches[0].memory_breakdown().items() if k.endswith("_tokens")}
+    assert formats == {"dense_tokens": 4, "packed_tokens": 12, "int4_tokens": 8, "int2_tokens": 4}
 
 
 def test_lingbot_hook_delegates_to_sglang_when_quantization_is_off(configured):

@@ -13,7 +13,11 @@ Configuration (environment variables, inherited by spawned workers):
                                SGLang's --kv-cache-quant* for LingBot-World); unset: each stage's own setting
     PAGEDQVG_KV_CACHE_QUANT_<FLAG>  each of SGLang's --kv-cache-quant-<flag> (CENTROIDS, BLOCK_SIZE, STAGES, ITERS,
                                KEEP_RECENT, SINK_KEEP, ASYMMETRIC, SINK) and pagedqvg's (SEED, PACK_TRITS,
-                               FIT_SCALES, CODEBOOK_FP8)
+                               FIT_SCALES, CODEBOOK_FP8, RECENT)
+    PAGEDQVG_KV_CACHE_QUANT_SINK    also the sink tier's format: bf16 (dense), fp8, int4, int2, compact; true = the
+                               history's (PAGEDQVG_KV_CACHE_QUANT's, the default), false = dense
+    PAGEDQVG_KV_CACHE_QUANT_RECENT  the recent tier's format (the KEEP_RECENT newest completed chunks): bf16 (dense,
+                               the default), fp8, int4, int2, compact, no coarser than the history's
     PAGEDQVG_ATTENTION         view (default) | pages: SGLang's causal self-attention computes attention straight
                                from the pool's pages (`update_and_attend`) instead of over a materialized view
     PAGEDQVG=off               disable (the plugin registers nothing)
@@ -49,6 +53,8 @@ __all__ = [
     "ENV_BUDGET",
     "ENV_FRACTION",
     "ENV_QUANT",
+    "ENV_QUANT_RECENT",
+    "ENV_QUANT_SINK",
     "ENV_SWITCH",
     "PluginSettings",
     "register",
@@ -59,6 +65,8 @@ ENV_SWITCH = "PAGEDQVG"
 ENV_BUDGET = "PAGEDQVG_BUDGET"
 ENV_FRACTION = "PAGEDQVG_MEMORY_FRACTION"
 ENV_QUANT = "PAGEDQVG_KV_CACHE_QUANT"
+ENV_QUANT_SINK = "PAGEDQVG_KV_CACHE_QUANT_SINK"
+ENV_QUANT_RECENT = "PAGEDQVG_KV_CACHE_QUANT_RECENT"
 ENV_ATTENTION = "PAGEDQVG_ATTENTION"
 SGLANG_VERSION = "0.5.23"
 _STAGES = "sglang.multimodal_gen.runtime.pipelines_core.stages"
@@ -110,6 +118,13 @@ class PluginSettings:
             " ".join(f"{k}={v}" for k, v in self.quant.items()) if self.quant else "each stage's own (dense unless "
             "LingBot-World's --kv-cache-quant)"
         )
+        if self.quant:
+            from ..quant import QuantConfig
+
+            cfg = QuantConfig.from_dict(self.quant)
+            if cfg.tiered:
+                quant += " (tiers: " + ", ".join(f"{t} {cfg.tier_format(t)}" for t in ("sink", "recent", "history"))
+                quant += ")"
         return f"pool per rank on its device at the first cache, {size}; quantization: {quant}; attention: " + (
             "from pages (PAGEDQVG_ATTENTION=pages)" if self.attention == "pages" else "over the view"
         )
@@ -146,7 +161,8 @@ def parse_fraction(variable: str, raw: str) -> float:
 
 def parse_quant(env: Mapping[str, str]) -> dict[str, str] | None:
     """The PAGEDQVG_KV_CACHE_QUANT* variables as SGLang flag names (validated by `QuantConfig.from_dict`, each
-    variable alone so the error names it); None when none is set."""
+    variable alone so the error names it: the base first, the tier variables last, since their checks involve the
+    others); None when none is set."""
     from ..quant import QuantConfig
 
     given = {k: v for k, v in env.items() if k == ENV_QUANT or k.startswith(ENV_QUANT + "_")}
@@ -156,15 +172,35 @@ def parse_quant(env: Mapping[str, str]) -> dict[str, str] | None:
         names = ", ".join(f"{k}={v!r}" for k, v in sorted(given.items()))
         raise PluginConfigError(f"{names} set without {ENV_QUANT}; valid: also set {ENV_QUANT}=int4|int2|compact")
     quant = {"kv_cache_quant": given[ENV_QUANT]}
-    for variable in sorted(given, key=lambda k: k != ENV_QUANT):
+    for variable in sorted(given, key=lambda k: (k != ENV_QUANT, k in _TIER_FORMS, k)):
         key = variable[len("PAGEDQVG_") :].lower()
         try:
             QuantConfig.from_dict({**({} if key == "kv_cache_quant" else quant), key: given[variable]})
         except ValueError as exc:
-            flags = ", ".join("PAGEDQVG_" + k.upper() for k in QuantConfig.known_keys() if k.startswith("kv_"))
-            raise PluginConfigError(f"{variable}={given[variable]!r}: {exc}; valid variables: {flags}") from None
+            raise PluginConfigError(_quant_error(variable, given, str(exc))) from None
         quant[key] = given[variable]
     return quant
+
+
+#: The tier variables and their valid forms (PAGEDQVG_KV_CACHE_QUANT_SINK is also SGLang's --kv-cache-quant-sink).
+_TIER_FORMS = {
+    ENV_QUANT_SINK: "a tier format bf16 (dense), fp8, int4, int2, compact, or a boolean: true (the history's format) "
+    "/ false (dense)",
+    ENV_QUANT_RECENT: "a tier format bf16 (dense, the default), fp8, int4, int2, compact, no coarser than "
+    f"{ENV_QUANT}'s (bf16 > fp8 > int4 > int2 = compact)",
+}
+
+
+def _quant_error(variable: str, given: Mapping[str, str], reason: str) -> str:
+    """The message of a PAGEDQVG_KV_CACHE_QUANT* variable `QuantConfig.from_dict` refused: the variable, its value,
+    the reason (naming what is allowed); a tier variable's also names the other variables it was checked with."""
+    from ..quant import QuantConfig
+
+    if variable in _TIER_FORMS:
+        others = ", ".join(f"{k}={v!r}" for k, v in sorted(given.items()) if k != variable)
+        return f"{variable}={given[variable]!r} (with {others}): {reason}; valid: {_TIER_FORMS[variable]}"
+    flags = ", ".join("PAGEDQVG_" + k.upper() for k in QuantConfig.known_keys() if k.startswith("kv_"))
+    return f"{variable}={given[variable]!r}: {reason}; valid variables: {flags}"
 
 
 def settings_from_env(env: Mapping[str, str] | None = None) -> PluginSettings:
