@@ -1014,7 +1014,7 @@ def test_view_past_local_end_reads_zeros_after_reset():
 
 # ------------------------------------------------------------------------------------------------ compact mode
 #: Examples of the compact state machine under the ci profile (the quant machine runs 100; this one adds ~10 s).
-COMPACT_EXAMPLES = {"ci": 40}
+COMPACT_EXAMPLES = {"ci": 40, "scale": 1_000}  # scale: 1,000 programs as the quant machine (not 10,000)
 
 
 @st.composite
@@ -1094,7 +1094,7 @@ def test_program_pack_unpack_rewind_pin_compact():
 # ------------------------------------------------------------------------------------------------ formats by age
 #: Examples of the tiered state machine under the ci profile (a third of them at head_dim 32 with fp8 tiers; 40
 #: examples ran 1,689 steps in 147 s on the shared 2-core machine, 20 about half).
-TIERED_EXAMPLES = {"ci": 20}
+TIERED_EXAMPLES = {"ci": 20, "scale": 1_000}  # scale: 1,000 programs as the quant machine (not 10,000)
 
 
 @st.composite
