@@ -542,6 +542,7 @@ class PagedCausalKVCache(CacheReadout):
             self.pool.free(entry.value.pages, self.owner)
         if straddler is not None:
             self._packer.trim_pages(straddler)
+            straddler.value.pack_failed = False  # its non-finite rows may be gone: the policy may try again
         self._structure_changed()
         self._packer.report_used()
         self._on_cursors_changed(self._seq.state.global_end, self._seq.state.local_end)

@@ -298,3 +298,21 @@ def test_packing_failure_after_the_commit_keeps_the_call_and_retries(monkeypatch
         assert pool.stats().used_bytes == mb["used_bytes"] + plain.memory_breakdown()["used_bytes"]
         assert (b.local_end_index, b.visible_global_end) == (a.local_end_index, a.visible_global_end)
     assert any(kind == "packed" for _, _, kind in packed.last_view_sources())  # retried and packed
+
+
+def test_rewind_past_the_non_finite_rows_lets_the_policy_pack_the_rest():
+    """A chunk the policy could not pack (a non-finite row) is retried once a rewind has cut that row off: its finite
+    head packs at the next advance (found by the compact fuzz machine: the flag outlived the rows that set it)."""
+    q = QuantConfig(bits=2, centroids=2, block_size=4, keep_recent_chunks=0, sink=False)
+    pool = BlockPool(capacity_bytes=1 << 20, page_bytes=256)
+    cache = PagedCausalKVCache(pool=pool, batch_size=1, cache_size=64, num_heads=1, head_dim=8, dtype=torch.bfloat16,
+                               device="cpu", quant=q)  # fmt: skip
+    k, v = video_kv(3, 8, 1, 8, seed=2, batch=1)
+    k[:, 6] = float("inf")
+    for s in (0, 8):
+        cache.update_and_get_attention_kv(key=k[:, s : s + 8], value=v[:, s : s + 8], current_chunk_start=s)
+    assert segment_kind(cache, 0) == "dense"  # the policy tried: token 6 is not finite
+    cache.rewind_to(4)  # drops [4, 16): chunk [0, 8) keeps its finite tokens [0, 4)
+    cache.update_and_get_attention_kv(key=k[:, 16:24], value=v[:, 16:24], current_chunk_start=4)
+    assert segment_kind(cache, 0) == "packed"
+    pool.check()
