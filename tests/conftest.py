@@ -1,6 +1,7 @@
 import os
 import sys
 
+import pytest
 from hypothesis import HealthCheck, settings
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
@@ -61,3 +62,12 @@ def pytest_report_header(config) -> list[str]:
               if k in os.environ]  # fmt: skip
     return [f"pagedqvg: torch {torch.__version__}, CPU capability {torch.backends.cpu.get_cpu_capability()}"
             + (f" ({', '.join(forced)})" if forced else "")]
+
+
+@pytest.fixture
+def production():
+    """The debug switch off, as in a user's process (its index range checks read tensor data back to the host),
+    restored afterwards: for tests of the production path (tests/test_repeated_call*.py)."""
+    previous = pagedqvg.set_debug_checks(False)
+    yield
+    pagedqvg.set_debug_checks(previous)

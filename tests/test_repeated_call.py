@@ -48,14 +48,6 @@ class NewStorageCounter(TorchDispatchMode):
         return out
 
 
-@pytest.fixture
-def production():
-    """The debug switch off (index range checks read tensor data), restored afterwards."""
-    previous = pagedqvg.set_debug_checks(False)
-    yield
-    pagedqvg.set_debug_checks(previous)
-
-
 def filled(reuse: bool = False, **kw) -> tuple[PagedCausalKVCache, DenseReferenceCache, torch.Tensor, torch.Tensor]:
     """A cache (sink 4, window rolled twice) and the dense reference after the same 10 chunks."""
     geometry = dict(batch_size=B, cache_size=24, num_heads=H, head_dim=D, sink_tokens=CHUNK)

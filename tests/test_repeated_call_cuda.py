@@ -19,21 +19,12 @@ import pytest
 import torch
 from dense_reference import DenseReferenceCache
 
-import pagedqvg
 from pagedqvg import BlockPool, PagedCausalKVCache, QuantConfig
 from pagedqvg.synthetic import video_kv
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device (the GPU subset)")
 
 B, H, D, CHUNK = 1, 4, 32, 16
-
-
-@pytest.fixture
-def production():
-    """The debug switch off (its index range checks read tensor data back), restored afterwards."""
-    previous = pagedqvg.set_debug_checks(False)
-    yield
-    pagedqvg.set_debug_checks(previous)
 
 
 @pytest.fixture(params=["torch", "triton"])
