@@ -42,7 +42,7 @@ def main(model_dir: str, out: str) -> None:
     samples = result.samples if not isinstance(result, list) else result[0].samples
     samples = torch.as_tensor(samples)  # the decoded frames SGLang returns: uint8 [frames, height, width, 3]
     torch.save(samples, out)
-    integ = sys.modules.get("pagedqvg.integrations.sglang")
+    integ = sys.modules.get("pagedqvg.integrations.sglang.integration")
     pools = list(integ._pools.values()) if integ is not None else []
     report = {
         "launcher": {"pools": len(pools), "caches": sum(p._owner_serial for p in pools)},

@@ -20,7 +20,7 @@ _patched: list[str] = []
 
 def pytest_configure(config):
     if os.environ.get("PAGEDQVG_SGLANG_INSTALL", "1") != "0":
-        from pagedqvg.integrations import sglang as pagedqvg_sglang
+        from pagedqvg.integrations.sglang import integration as pagedqvg_sglang
 
         _patched.extend(pagedqvg_sglang.install(budget_bytes=int(os.environ.get("PAGEDQVG_SGLANG_BUDGET", 256 << 20))))
 
@@ -32,7 +32,7 @@ def pytest_report_header(config):
 
 
 def _paged_caches_built() -> int:
-    from pagedqvg.integrations import sglang as pagedqvg_sglang
+    from pagedqvg.integrations.sglang import integration as pagedqvg_sglang
 
     return sum(pool._owner_serial for pool in pagedqvg_sglang._pools.values())
 

@@ -90,7 +90,7 @@ def plugin_cases() -> None:
         probes = list(ex.map(probe, envs))
     proc = discovered.result()
     check(
-        proc.returncode == 0 and "pagedqvg.integrations.sglang_plugin:register pagedqvg" in proc.stdout,
+        proc.returncode == 0 and "pagedqvg.integrations.sglang.plugin:register pagedqvg" in proc.stdout,
         f"(a) entry point discovered from the installed distribution: {proc.stdout.strip()}",
         proc,
     )

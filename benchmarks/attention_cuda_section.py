@@ -153,8 +153,8 @@ def _split_lines(c, q, k, v, s, view, packed: bool, iters: int, short: int) -> b
     """Time `update_and_attend` at each forced S of `SPLITS` and the heuristic's pick, for the full query `q` and
     its first `short` rows; each output checked against fp64 over `view` (first 64 query rows) within 1.5x
     SDPA-on-view's error. One printed line per query length; True when every check passed."""
-    from pagedqvg.kernels import attention_split as asp
-    from pagedqvg.kernels.triton_attention import BLOCK_M, BLOCK_N, BLOCK_N_PACKED
+    from pagedqvg.kernels.attention import attention_split as asp
+    from pagedqvg.kernels.attention.triton_attention import BLOCK_M, BLOCK_N, BLOCK_N_PACKED
 
     device, (_, T, heads, _) = q.device, view.k.shape
     ok, m = True, 64

@@ -15,8 +15,8 @@ from __future__ import annotations
 
 import torch
 
+from pagedqvg.cache.sequencing import effective_sink, view_slot_ranges
 from pagedqvg.quant import QuantConfig, prq_dequantize, prq_quantize
-from pagedqvg.sequencing import effective_sink, view_slot_ranges
 
 
 class DenseCache:

@@ -7,7 +7,7 @@ rolls, chunks get packed); then, in rounds (one call per path, so machine noise 
 in-place call of the current chunk (a later denoise step; 1,560 query rows) is timed:
 
 - view + SDPA: `update_and_get_attention_kv`, then `torch.nn.functional.scaled_dot_product_attention` on the view;
-- pages: `update_and_attend` (pagedqvg/attention.py: tiles of 512 key rows, fp32 online softmax).
+- pages: `update_and_attend` (pagedqvg/attention/pages.py: tiles of 512 key rows, fp32 online softmax).
 
 Peak transient bytes: the peak of bytes of tensors allocated by aten ops during one call and not given back
 before it (tests/memory_count.py, a TorchDispatchMode; buffers a kernel allocates internally, e.g. SDPA's per-thread
@@ -33,7 +33,7 @@ sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent.parent / "tests")
 from memory_count import AllocatedBytes
 
 from pagedqvg import BlockPool, PagedCausalKVCache, QuantConfig
-from pagedqvg.attention import ATTN_QUERY_TILE, ATTN_TILE_TOKENS
+from pagedqvg.attention.pages import ATTN_QUERY_TILE, ATTN_TILE_TOKENS
 
 HEADS, HEAD_DIM, CHUNK = 8, 128, 1560
 CACHE_CHUNKS, SINK_CHUNKS = 6, 3

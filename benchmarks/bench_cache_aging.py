@@ -5,7 +5,7 @@ originals (the same history format with the recent tier kept bf16). Markdown tab
     PYTHONPATH=$PWD python benchmarks/bench_cache_aging.py              # ~2 min on a busy 2-core CPU (2 heads)
     PYTHONPATH=$PWD python benchmarks/bench_cache_aging.py --heads 4
 
-Data: `pagedqvg.synthetic.video_kv` (as bench_prq.py / bench_tiers.py), 4 chunks of 3 latent frames of 30x52
+Data: `pagedqvg.planning.synthetic.video_kv` (as bench_prq.py / bench_tiers.py), 4 chunks of 3 latent frames of 30x52
 (4,680 tokens, LingBot-World's chunk), head_dim 128, `--heads` heads, batch 1, bf16. Each setting runs two
 `PagedCausalKVCache`s (sink tokens 0, keep_recent_chunks 1) over the 4 chunks: `aged` with the recent tier in
 `recent_format` (chunks 0 and 1 are packed in it first, then repacked into the history's format when they leave the
@@ -21,7 +21,7 @@ import argparse
 import torch
 
 from pagedqvg import BlockPool, PagedCausalKVCache, QuantConfig
-from pagedqvg.synthetic import relative_error, video_kv
+from pagedqvg.planning.synthetic import relative_error, video_kv
 
 CHUNK_FRAMES, GRID, HEAD_DIM, CHUNKS = 3, (30, 52), 128, 4
 

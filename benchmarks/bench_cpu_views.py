@@ -39,8 +39,8 @@ from collections.abc import Callable
 import torch
 
 from pagedqvg import BlockPool, PagedCausalKVCache
-from pagedqvg.layout import choose_page_bytes, page_pieces, segment_kinds
-from pagedqvg.page_io import PageIO, ViewPlan, WritePlan
+from pagedqvg.layout.segments import choose_page_bytes, page_pieces, segment_kinds
+from pagedqvg.store.page_io import PageIO, ViewPlan, WritePlan
 
 HEADS, HEAD_DIM, CHUNK = 8, 128, 1560
 CACHE_CHUNKS, SINK_CHUNKS = 6, 3

@@ -189,10 +189,10 @@ def main(argv: list[str] | None = None) -> int:
 
 def bench_shape(shape: Shape, args: argparse.Namespace, device: torch.device, dtype: torch.dtype):
     """Every kernel at one layer shape, Triton against torch; returns (rows, all bit-identical and no recompile)."""
-    from pagedqvg.kernels.page_write import page_fill_torch, page_write_torch
-    from pagedqvg.kernels.triton_page_write import _page_write_kernel, page_fill_triton, page_write_triton
-    from pagedqvg.kernels.triton_view_build import _view_build_kernel, view_build_triton
-    from pagedqvg.kernels.view_build import view_build_torch
+    from pagedqvg.kernels.view.triton_view_build import _view_build_kernel, view_build_triton
+    from pagedqvg.kernels.view.view_build import view_build_torch
+    from pagedqvg.kernels.write.page_write import page_fill_torch, page_write_torch
+    from pagedqvg.kernels.write.triton_page_write import _page_write_kernel, page_fill_triton, page_write_triton
 
     tile_kw = {"block_rows": args.block_rows, "block_cols": args.block_cols}
     page_bytes = args.page_bytes if args.page_bytes is not None else (2048 if args.tiny else 1 << 20)
@@ -302,8 +302,8 @@ def bench_shape(shape: Shape, args: argparse.Namespace, device: torch.device, dt
         ok &= _no_recompile("view_build, page_write", "lengths", (_view_build_kernel, _page_write_kernel),
                             other_lengths, device)  # fmt: skip
         if packed is not None:
-            from pagedqvg.kernels.triton_dequant import _packed_dequant_kernel
-            from pagedqvg.kernels.triton_view_runs import _view_runs_kernel
+            from pagedqvg.kernels.view.triton_dequant import _packed_dequant_kernel
+            from pagedqvg.kernels.view.triton_view_runs import _view_runs_kernel
 
             def other_ranges() -> None:
                 for t0, t1 in ((0, 1), (3, 20), (1, packed.seg_tokens[0] - 1)):
@@ -323,10 +323,10 @@ class PackedSetup:
 
     def __init__(self, shape: Shape, args, device: torch.device, dtype: torch.dtype, seg_tokens: list[int]):
         from pagedqvg import BlockPool
-        from pagedqvg.kernels.dequant import piece_table
-        from pagedqvg.layout import PackedSegmentLayout
-        from pagedqvg.packing import PackedStore
+        from pagedqvg.kernels.view.dequant import piece_table
+        from pagedqvg.layout.segments import PackedSegmentLayout
         from pagedqvg.quant import PackedFormat, QuantConfig, prq_quantize
+        from pagedqvg.store.packed_store import PackedStore
 
         B, H, D = args.batch, shape.heads, shape.head_dim
         centroids = args.centroids or (8 if args.tiny else 128)
@@ -381,8 +381,8 @@ class PackedSetup:
         return torch.tensor(table, dtype=torch.int64, device=self.device).view(-1, 5)
 
     def run_segment(self, j: int, t0: int, t1: int, *, triton: bool) -> None:
-        from pagedqvg.kernels.dequant import packed_dequant_torch
-        from pagedqvg.kernels.triton_dequant import packed_dequant_triton
+        from pagedqvg.kernels.view.dequant import packed_dequant_torch
+        from pagedqvg.kernels.view.triton_dequant import packed_dequant_triton
 
         o = sum(self.seg_tokens[:j])
         out = (self.out if triton else self.out_ref)[:, :, o : o + t1 - t0].permute(2, 0, 1, 3, 4)
@@ -392,8 +392,8 @@ class PackedSetup:
 
     def view(self, *, triton: bool, tile_kw: dict) -> None:
         """All segments of the view, one launch each (pieces precomputed: the kernel's cost only)."""
-        from pagedqvg.kernels.dequant import packed_dequant_torch
-        from pagedqvg.kernels.triton_dequant import packed_dequant_triton
+        from pagedqvg.kernels.view.dequant import packed_dequant_torch
+        from pagedqvg.kernels.view.triton_dequant import packed_dequant_triton
 
         st, o = self.store, 0
         target = self.out if triton else self.out_ref
@@ -434,7 +434,7 @@ class MixedView:
     cache builds it once per view plan (runs at most the dense tokens per page long)."""
 
     def __init__(self, setup: Setup, ps: PackedSetup, batch: int):
-        from pagedqvg.kernels.view_runs import dense_runs, packed_runs
+        from pagedqvg.kernels.view.view_runs import dense_runs, packed_runs
 
         st = ps.store
         self.setup, self.store = setup, st
@@ -464,8 +464,8 @@ class MixedView:
 
     def run(self, t: int | None = None, *, triton: bool, tile_kw: dict) -> None:
         """The whole view (or the runs of its first `t` rows, into a `t`-row view: other view lengths)."""
-        from pagedqvg.kernels.triton_view_runs import view_runs_triton
-        from pagedqvg.kernels.view_runs import view_runs_torch
+        from pagedqvg.kernels.view.triton_view_runs import view_runs_triton
+        from pagedqvg.kernels.view.view_runs import view_runs_torch
 
         st, runs, out = self.store, self.runs, self.out if triton else self.out_ref
         if t is not None:  # the runs of output rows [0, t), the last one cut short
@@ -499,8 +499,8 @@ def bench_mixed(shape: Shape, args, device: torch.device, mv: MixedView):
 
 def bench_kmeans(shape: Shape, args, device: torch.device):
     """One k-means assignment of a chunk (fp32, B*H heads) against prq's torch `assign_nearest`; near-ties verified."""
-    from pagedqvg.kernels.kmeans import distance_error_bound, kmeans_assign_torch
-    from pagedqvg.kernels.triton_kmeans import kmeans_assign_triton
+    from pagedqvg.kernels.pack.kmeans import distance_error_bound, kmeans_assign_torch
+    from pagedqvg.kernels.pack.triton_kmeans import kmeans_assign_triton
 
     heads, S, D = args.batch * shape.heads, shape.chunk_tokens, shape.head_dim
     K = args.centroids or (8 if args.tiny else 128)
@@ -548,10 +548,10 @@ def bench_prq_quantize(shape: Shape, args, device: torch.device, dtype: torch.dt
     is on quality, not bytes: the share of identical token-record bytes is reported, and the Triton pack's relative
     L2 error (dequantized from its pages) must be within 2% of the torch pack's."""
     from pagedqvg import BlockPool
-    from pagedqvg.layout import PackedSegmentLayout
-    from pagedqvg.packing import PackedStore
+    from pagedqvg.layout.segments import PackedSegmentLayout
+    from pagedqvg.planning.synthetic import relative_error, video_kv
     from pagedqvg.quant import PackedFormat, QuantConfig
-    from pagedqvg.synthetic import relative_error, video_kv
+    from pagedqvg.store.packed_store import PackedStore
 
     B, H, D, n = args.batch, shape.heads, shape.head_dim, shape.chunk_tokens
     K = args.centroids or (8 if args.tiny else 128)
@@ -610,7 +610,7 @@ class Setup:
     def __init__(self, shape: Shape, batch: int, dtype: torch.dtype, page_bytes: int, device: torch.device):
         from pagedqvg import BlockPool
         from pagedqvg.kernels.rows import segment_row_index, token_rows
-        from pagedqvg.layout import DenseTokenLayout
+        from pagedqvg.layout.segments import DenseTokenLayout
 
         self._segment_row_index = segment_row_index
         layout = DenseTokenLayout(batch, shape.heads, shape.head_dim, dtype, page_bytes)
@@ -648,18 +648,12 @@ class Setup:
 
 def check_spills(device: torch.device) -> bool:
     """Registers and spills of every Triton binary this run compiled, as the driver loaded them (Triton's
-    `n_regs`/`n_spills`); the AOT table (`python -m pagedqvg.kernels.triton_aot --report`) says 0 spills for every
+    `n_regs`/`n_spills`); the AOT table (`python -m tools.triton_report.aot --report`) says 0 spills for every
     kernel at sm_90, so a spill here means the GPU's toolchain disagrees. True when none spills."""
-    from pagedqvg.kernels import (
-        triton_attention,
-        triton_attention_split,
-        triton_dequant,
-        triton_kmeans,
-        triton_page_write,
-        triton_residual_pack,
-        triton_view_build,
-        triton_view_runs,
-    )
+    from pagedqvg.kernels.attention import triton_attention, triton_attention_split
+    from pagedqvg.kernels.pack import triton_kmeans, triton_residual_pack
+    from pagedqvg.kernels.view import triton_dequant, triton_view_build, triton_view_runs
+    from pagedqvg.kernels.write import triton_page_write
 
     ok, seen = True, 0
     for mod in (triton_page_write, triton_view_build, triton_view_runs, triton_dequant, triton_kmeans,
@@ -686,8 +680,8 @@ def check_other_device(dtype: torch.dtype) -> bool:
     must run on the pool's GPU (results equal the torch path's bit for bit) and leave GPU 0 current. True when it
     passed or there is one GPU (skipped, said so)."""
     from pagedqvg import BlockPool
-    from pagedqvg.kernels.page_write import page_write_torch
-    from pagedqvg.kernels.triton_page_write import page_write_triton
+    from pagedqvg.kernels.write.page_write import page_write_torch
+    from pagedqvg.kernels.write.triton_page_write import page_write_triton
 
     if torch.cuda.device_count() < 2:
         print("other-device launch check: skipped (one GPU)")

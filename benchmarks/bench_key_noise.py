@@ -1,9 +1,10 @@
-"""The key-noise score correction (pagedqvg/key_noise.py) on `benchmarks/bench_prq.py --compact`'s attention setting.
+"""The key-noise score correction (pagedqvg/attention/key_noise.py) on `benchmarks/bench_prq.py --compact`'s attention
+setting.
 
     PYTHONPATH=$PWD python benchmarks/bench_key_noise.py     # ~1-2 min on 2 CPU cores
 
-Data as bench_prq.py's Pareto table: `pagedqvg.synthetic.video_kv` (seed 0, 4 heads x 128, 480p grid), a window of
-3 chunks of 4,680 tokens, each packed on its own; queries = 512 tokens (every 9th) of the 4th chunk's K. Two
+Data as bench_prq.py's Pareto table: `pagedqvg.planning.synthetic.video_kv` (seed 0, 4 heads x 128, 480p grid), a
+window of 3 chunks of 4,680 tokens, each packed on its own; queries = 512 tokens (every 9th) of the 4th chunk's K. Two
 windows: "packed only" (bench_prq.py's: the 3 packed chunks) and "+ dense chunk" (the 4th chunk's own K/V appended
 unquantized, as the cache holds the current chunk: packed keys compete with dense ones). Attention in fp64,
 softmax(q·kᵀ/sqrt(d))·v; error = ||O - O_ref|| / ||O_ref|| against the unquantized window, without and with the
@@ -17,8 +18,8 @@ import time
 
 import torch
 
+from pagedqvg.planning.synthetic import video_kv
 from pagedqvg.quant import QuantConfig, prq_quantize
-from pagedqvg.synthetic import video_kv
 
 CHUNK, GRID, HEAD_DIM, HEADS = 4680, (30, 52), 128, 4
 MODES = [

@@ -4,7 +4,8 @@
     python benchmarks/bench_prq.py --quick    # centroids 128 only, 1 stage
     python benchmarks/bench_prq.py --compact  # only the compact-mode sections (ideas, attention error, windows)
 
-Data: `pagedqvg.synthetic.video_kv`, 3 latent frames of a 30x52 token grid = one 4,680-token chunk (480p), head_dim
+Data: `pagedqvg.planning.synthetic.video_kv`, 3 latent frames of a 30x52 token grid = one 4,680-token chunk (480p),
+head_dim
 128, `--heads` heads (4 by default to keep CPU time modest; error and bytes per token-head do not depend on it).
 Bytes are per token-head; the compression ratio vs bf16 includes the codebooks (centroids x 128 x 2 B per head and
 stage; 1 B per value with fp8 codebooks) amortised over a segment of 4,680 or 10,800 tokens.
@@ -22,11 +23,11 @@ import time
 
 import torch
 
-from pagedqvg.planner import Geometry, max_window_frames, min_window_frames, plan_geometry
-from pagedqvg.presets import get_preset
+from pagedqvg.planning.planner import Geometry, max_window_frames, min_window_frames, plan_geometry
+from pagedqvg.planning.presets import get_preset
+from pagedqvg.planning.synthetic import relative_error, snr_db, video_kv
 from pagedqvg.quant import PackedFormat, QuantConfig, pack_residual_rows, prq_dequantize, prq_quantize
 from pagedqvg.quant.prq import assign_nearest
-from pagedqvg.synthetic import relative_error, snr_db, video_kv
 
 CHUNK = 4680
 GRID = (30, 52)  # 1,560 tokens per latent frame, 3 frames per chunk

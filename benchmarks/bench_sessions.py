@@ -26,7 +26,7 @@ import time
 import torch
 
 from pagedqvg import BlockPool, PoolExhaustedError, QuantConfig
-from pagedqvg.sessions import SessionManager, SessionSpec
+from pagedqvg.serving.sessions import SessionManager, SessionSpec
 
 PAGE_BYTES = 1024
 QUANT = QuantConfig(bits=2, centroids=4, block_size=8, kmeans_iters=1, keep_recent_chunks=1, sink=False)

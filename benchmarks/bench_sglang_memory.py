@@ -133,7 +133,7 @@ def main() -> None:
     args = ap.parse_args()
     if args.placeholders:
         import sglang_plugin  # noqa: F401  (placeholder modules for SGLang's heavy imports)
-    from pagedqvg.integrations import sglang as integ
+    from pagedqvg.integrations.sglang import integration as integ
 
     patched = integ.install(budget_bytes=int(args.budget_gib * GIB))
     print(f"install(): {len(patched)} bindings patched; pool {args.budget_gib} GiB, CPU, bf16")

@@ -156,7 +156,7 @@ def run_setting(sgl, model, dense: list[torch.Tensor], loop: Loop, quant: QuantC
     """One rollout with pagedqvg installed (`quant`; None: quantization off): per-chunk relative L2 errors against
     `dense`, seconds, the pins, the first layer's retained tokens per format at the end (`memory_breakdown`);
     {'refused': message} when the cache refuses the setting (CacheConfigError)."""
-    from pagedqvg.integrations import sglang as integ
+    from pagedqvg.integrations.sglang import integration as integ
 
     integ.install(budget_bytes=256 << 20)
     t0 = time.perf_counter()

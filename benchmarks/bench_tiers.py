@@ -4,15 +4,17 @@ aging choice (repack a recent chunk from its decoded values, or quantize the ori
     PYTHONPATH=$PWD python benchmarks/bench_tiers.py            # ~20 min on a busy 2-core CPU (4 heads)
     PYTHONPATH=$PWD python benchmarks/bench_tiers.py --json benchmarks/results/bench_tiers.json
 
-Data (as `bench_prq.py --compact`): `pagedqvg.synthetic.video_kv`, 4,680-token chunks (3 latent frames of 30x52),
-head_dim 128, `--heads` heads. The window is LingBot-World's 18-frame one at steady state: 1 sink chunk, 4 history
-chunks, 1 recent chunk, the current chunk (bf16 in every setting): 7 chunks, 32,760 tokens, 5 or 6 of them packed.
+Data (as `bench_prq.py --compact`): `pagedqvg.planning.synthetic.video_kv`, 4,680-token chunks (3 latent frames
+of 30x52), head_dim 128, `--heads` heads. The window is LingBot-World's 18-frame one at steady state: 1 sink chunk,
+4 history chunks, 1 recent chunk, the current chunk (bf16 in every setting): 7 chunks, 32,760 tokens,
+5 or 6 of them packed.
 Each chunk is encoded on its own in its tier's format (`QuantConfig.tier_quant`: PRQ int4/int2/compact; fp8 via
 `quant/fp8.py`), as the cache packs chunks. Queries: 512 tokens (every 9th) of the current chunk's K.
 Attention-output error = ||O - O_bf16|| / ||O_bf16|| of softmax(Q K^T / sqrt(d)) V over all queries and heads.
 History chunks of a setting whose recent tier is packed were recent chunks first: `aged` repacks them from the
 recent format's decoded values (what a cache holding only packed bytes can do), `once` quantizes the original.
-Bytes: `pagedqvg.tiers.tier_used_bytes` for the real LingBot-World preset (40 layers x 40 heads, 18-frame window);
+Bytes: `pagedqvg.planning.tiers.tier_used_bytes` for the real LingBot-World preset (40 layers x 40 heads, 18-frame
+window);
 `GiB (once)` adds what `once` costs: each recent chunk's history encoding, made from the original while it is recent.
 """
 
@@ -24,12 +26,12 @@ import time
 
 import torch
 
-from pagedqvg.planner import Geometry
-from pagedqvg.presets import get_preset
+from pagedqvg.planning.planner import Geometry
+from pagedqvg.planning.presets import get_preset
+from pagedqvg.planning.synthetic import relative_error, video_kv
+from pagedqvg.planning.tiers import format_used_bytes, tier_used_bytes
 from pagedqvg.quant import QuantConfig, prq_quantize
 from pagedqvg.quant.fp8 import Fp8Format
-from pagedqvg.synthetic import relative_error, video_kv
-from pagedqvg.tiers import format_used_bytes, tier_used_bytes
 
 CHUNK = 4680
 GRID = (30, 52)

@@ -27,7 +27,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from baselines import DenseCache, SegmentListCache
 
 from pagedqvg import BlockPool, PagedCausalKVCache, QuantConfig
-from pagedqvg.synthetic import video_kv
+from pagedqvg.planning.synthetic import video_kv
 
 SHAPES = {
     # per-layer shapes of SEMANTICS.md with heads and tokens/frame scaled to a 2-core CPU

@@ -24,9 +24,9 @@ from functools import cache
 from pathlib import Path
 
 from pagedqvg.allocator import format_bytes
-from pagedqvg.cli import build_parser, build_plan, main, workload_from_args
-from pagedqvg.planner import Geometry, SettingPlan, max_window_frames, min_window_frames, plan_geometry
-from pagedqvg.presets import get_preset
+from pagedqvg.cli.app import build_parser, build_plan, main, workload_from_args
+from pagedqvg.planning.planner import Geometry, SettingPlan, max_window_frames, min_window_frames, plan_geometry
+from pagedqvg.planning.presets import get_preset
 from pagedqvg.quant import PackedFormat, QuantConfig
 
 README = Path(__file__).resolve().parent.parent / "README.md"

@@ -6,9 +6,9 @@ One `BlockPool` per device owns every K/V byte of every layer under one byte bud
 
 from typing import TYPE_CHECKING
 
-from .allocator import BlockPool, PoolStats, RangeIndex
-from .debug import debug_checks, set_debug_checks
-from .errors import (
+from pagedqvg.allocator import BlockPool, PoolStats, RangeIndex
+from pagedqvg.debug import debug_checks, set_debug_checks
+from pagedqvg.errors import (
     CacheClosedError,
     CacheConfigError,
     IntegrationError,
@@ -20,11 +20,11 @@ from .errors import (
     SequencingError,
     SessionRefusedError,
 )
-from .quant import QuantConfig
-from .view import CausalAttentionKVView
+from pagedqvg.quant import QuantConfig
+from pagedqvg.view import CausalAttentionKVView
 
 if TYPE_CHECKING:
-    from .cache import PagedCausalKVCache, make_layer_caches
+    from pagedqvg.cache.paged_cache import PagedCausalKVCache, make_layer_caches
 
 __version__ = "0.1.0"
 
@@ -33,7 +33,7 @@ def __getattr__(name: str) -> object:
     """`PagedCausalKVCache` and `make_layer_caches` load on first use, so the planner and the CLI's plan commands
     do not import the kernels."""
     if name in ("PagedCausalKVCache", "make_layer_caches"):
-        from . import cache
+        from pagedqvg.cache import paged_cache as cache
 
         return getattr(cache, name)
     raise AttributeError(f"module 'pagedqvg' has no attribute {name!r}")

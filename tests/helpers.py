@@ -37,9 +37,10 @@ import torch
 from hypothesis import note as _hnote
 from hypothesis import strategies as st
 
-from pagedqvg import CacheConfigError, PagedCausalKVCache, SequencingError, policy
+from pagedqvg import CacheConfigError, PagedCausalKVCache, SequencingError
 from pagedqvg.allocator.pool import debug_state
-from pagedqvg.kernels.kmeans import distance_error_bound, kmeans_assign_torch, kmeans_update_torch
+from pagedqvg.cache import policy
+from pagedqvg.kernels.pack.kmeans import distance_error_bound, kmeans_assign_torch, kmeans_update_torch
 
 CUDA = torch.cuda.is_available()
 if not CUDA and "triton" not in sys.modules:
@@ -92,7 +93,7 @@ def same_error_kind(ref_exc: BaseException | None, got_exc: BaseException | None
 
 
 def tokens_per_page(cfg: dict) -> int:
-    """Whole tokens per page (pagedqvg/layout.py: a token's K and V rows of every batch element never straddle
+    """Whole tokens per page (pagedqvg/layout/segments.py: a token's K and V rows of every batch element never straddle
     two pages): (page_bytes // row_bytes) // (2 * B), row_bytes = H * D * itemsize."""
     row_bytes = cfg["H"] * cfg["D"] * itemsize(cfg["dtype"])
     return (cfg["page_bytes"] // row_bytes) // (2 * cfg["B"])
@@ -235,7 +236,7 @@ def packed_store(cache: PagedCausalKVCache) -> Any:
 
 
 def tier_store(cache: PagedCausalKVCache, fmt: str) -> Any:
-    """The cache's store of tier format `fmt` (pagedqvg/tier_stores.py)."""
+    """The cache's store of tier format `fmt` (pagedqvg/store/tier_stores.py)."""
     return cache._packer.stores[fmt]
 
 
@@ -414,7 +415,7 @@ def check_means(x: torch.Tensor, ids: torch.Tensor, c_old: torch.Tensor, *means:
 
 def contract_checked_kmeans(monkeypatch, target=None) -> dict[str, int]:
     """Make a torch-vs-Triton comparison of packing independent of the CPU: the k-means steps that `target`
-    (default: `pagedqvg.packing`, the cache's pack path; any object gets `kmeans_assign` / `kmeans_update`
+    (default: `pagedqvg.store.packed_store`, the cache's pack path; any object gets `kmeans_assign` / `kmeans_update`
     attributes) calls become the torch references, and whenever the
     dispatch would pick Triton for the tensors, the Triton kernel runs too and its result is checked against the
     contract (`check_near_ties`, `check_means`) on the same inputs. Both runs then carry the same ids and centroids
@@ -427,7 +428,7 @@ def contract_checked_kmeans(monkeypatch, target=None) -> dict[str, int]:
     from pagedqvg.kernels import dispatch
 
     if target is None:
-        from pagedqvg import packing as target
+        from pagedqvg.store import packed_store as target
     counts = {"assign": 0, "update": 0}
 
     def assign(x, c):

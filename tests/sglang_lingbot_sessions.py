@@ -87,8 +87,8 @@ def main(src: str) -> dict:
     lingbot, net = setup(src)
     from sglang.multimodal_gen.runtime.realtime.session import RealtimeSession
 
-    from pagedqvg.integrations import sglang as integ
-    from pagedqvg.integrations import sglang_sessions
+    from pagedqvg.integrations.sglang import integration as integ
+    from pagedqvg.integrations.sglang import sessions as sglang_sessions
 
     chunks = list(range(lingbot.CHUNKS))
     with torch.no_grad():

@@ -3,7 +3,8 @@ chunk loop (per chunk: denoising steps that rewrite the chunk's K/V, then a clea
 `CausalDMDDenoisingStage._allocate_causal_kv_cache`: SGLang's dense cache, and pagedqvg installed with
 attention `view` / `pages`, quantization off, int2 and compact (pages also with 16-token attention tiles, so that the
 window spans several and their log-sum-exp merge runs; int2 and compact pages also with the key-noise score
-correction, `-keynoise`, pagedqvg/key_noise.py); for bf16 also SGLang's dense cache with its attention computed in
+correction, `-keynoise`, pagedqvg/attention/key_noise.py); for bf16 also SGLang's dense cache with its attention
+computed in
 fp32 (the noise floor of bf16 rounding here). Prints one JSON object per dtype: each run's relative L2 error of the
 final latents against the dense cache's run in that dtype, how many self-attention calls attended from pages, and
 for pagedqvg runs the allocation's session (sglang_sessions: the run is one request scope): its planned pages, the
@@ -141,9 +142,10 @@ def run_installed(sgl, model, dense, dtype, mode: str, quant: dict | None, tile:
     attention from pages): its error against `dense` and how many self-attention calls attended from pages."""
     import functools
 
-    from pagedqvg import attention
-    from pagedqvg.integrations import sglang as integ
-    from pagedqvg.integrations import sglang_attention, sglang_sessions
+    from pagedqvg.attention import pages as attention
+    from pagedqvg.integrations.sglang import attention as sglang_attention
+    from pagedqvg.integrations.sglang import integration as integ
+    from pagedqvg.integrations.sglang import sessions as sglang_sessions
 
     integ.install(budget_bytes=64 << 20, attention=mode)
     calls = {"pages": 0}

@@ -155,7 +155,7 @@ def test_from_free_memory_fraction():
 def test_for_layers_picks_pages_for_the_segment_kinds():
     """`BlockPool.for_layers`: the page size `pagedqvg plan` picks (auto), holding whole tokens and codebook rows."""
     from pagedqvg import QuantConfig
-    from pagedqvg.layout import AUTO_PAGE_WASTE, choose_page_bytes, segment_kinds
+    from pagedqvg.layout.segments import AUTO_PAGE_WASTE, choose_page_bytes, segment_kinds
     from pagedqvg.quant.format import PackedFormat
 
     pool = BlockPool.for_layers(64 << 20, num_heads=8, head_dim=64, chunk_tokens=1000)

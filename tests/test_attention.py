@@ -12,16 +12,16 @@ import torch.nn.functional as F
 from helpers import cache_state, same
 from memory_count import AllocatedBytes
 
-import pagedqvg.attention as attention
+import pagedqvg.attention.pages as attention
 from pagedqvg import BlockPool, PagedCausalKVCache, QuantConfig
-from pagedqvg.attention import (
+from pagedqvg.attention.pages import (
     attention_scratch_bytes,
     attention_tiles,
     key_noise_bytes,
     packed_decode_bytes,
     plan_sources,
 )
-from pagedqvg.kernels.attention_runs import attend_runs_torch
+from pagedqvg.kernels.attention.attention_runs import attend_runs_torch
 from pagedqvg.quant import PackedFormat
 
 DTYPES = (torch.bfloat16, torch.float16, torch.float32)

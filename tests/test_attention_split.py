@@ -18,13 +18,13 @@ import torch.nn.functional as F
 from helpers import rerun_interpreted, triton_kernels  # sets TRITON_INTERPRET
 
 from pagedqvg import BlockPool, PagedCausalKVCache, QuantConfig
-from pagedqvg.attention import plan_sources
-from pagedqvg.kernels import attention_split as asp
-from pagedqvg.kernels.attention_runs import attend_runs_torch, expand_rows
+from pagedqvg.attention.pages import plan_sources
+from pagedqvg.kernels.attention import attention_split as asp
+from pagedqvg.kernels.attention.attention_runs import attend_runs_torch, expand_rows
+from pagedqvg.kernels.attention.triton_attention import attend_triton
 from pagedqvg.kernels.ops import AttendArgs
-from pagedqvg.kernels.triton_attention import attend_triton
 
-tas, TRITON_ERROR, DEVICE, WHY = triton_kernels("triton_attention_split", "_attend_split_kernel")
+tas, TRITON_ERROR, DEVICE, WHY = triton_kernels("attention.triton_attention_split", "_attend_split_kernel")
 needs_kernels = pytest.mark.skipif(DEVICE is None, reason=WHY)
 RATIO = 1.5
 QUANTS = {
@@ -115,9 +115,9 @@ def test_planner_pages_budget_counts_the_triton_path():
     Triton path stays within the output plus `MAX_SPLIT_PROGRAMS` partial tiles, whatever the window."""
     import dataclasses
 
-    from pagedqvg.attention_budget import ATTN_TILE_TOKENS, attention_scratch_bytes, packed_decode_bytes
-    from pagedqvg.planner import Geometry
-    from pagedqvg.presets import PRESETS
+    from pagedqvg.layout.attention_scratch import ATTN_TILE_TOKENS, attention_scratch_bytes, packed_decode_bytes
+    from pagedqvg.planning.planner import Geometry
+    from pagedqvg.planning.presets import PRESETS
 
     triton_larger = set()
     for name, w in PRESETS.items():
@@ -247,7 +247,7 @@ def test_split_grid_checked_before_launch():
 
 @needs_kernels
 def test_kernel_blocks_mirrored():
-    from pagedqvg.kernels import triton_attention as ta
+    from pagedqvg.kernels.attention import triton_attention as ta
 
     assert (ta.BLOCK_M, ta.BLOCK_N, ta.BLOCK_N_PACKED) == (asp.KERNEL_BLOCK_M, asp.KERNEL_BLOCK_N,
                                                           asp.KERNEL_BLOCK_N_PACKED)  # fmt: skip

@@ -18,10 +18,10 @@ import torch.nn.functional as F
 from helpers import rerun_interpreted, triton_kernels  # sets TRITON_INTERPRET
 
 from pagedqvg import BlockPool, PagedCausalKVCache, QuantConfig
-from pagedqvg.attention import plan_sources
-from pagedqvg.kernels.attention_runs import attend_runs_torch
+from pagedqvg.attention.pages import plan_sources
+from pagedqvg.kernels.attention.attention_runs import attend_runs_torch
 
-tat, TRITON_ERROR, DEVICE, WHY = triton_kernels("triton_attention", "_attend_kernel")
+tat, TRITON_ERROR, DEVICE, WHY = triton_kernels("attention.triton_attention", "_attend_kernel")
 needs_kernels = pytest.mark.skipif(DEVICE is None, reason=WHY)
 RATIO = 1.5
 QUANTS = {
@@ -177,9 +177,9 @@ def test_kernel_key_noise_correction(monkeypatch, quant, dtype):
 
 _KEY_NOISE_SM90 = """
 import json
-from pagedqvg.kernels import triton_resources as tr
-from pagedqvg.kernels.triton_aot import compile_resources
-from pagedqvg.kernels.triton_attention import BLOCK_N_KEY_NOISE
+from tools.triton_report import resources as tr
+from tools.triton_report.aot import compile_resources
+from pagedqvg.kernels.attention.triton_attention import BLOCK_N_KEY_NOISE
 launches = tr.launches(tr.model_shapes()[0])
 out = {}
 for name in tr.formats():

@@ -12,7 +12,7 @@ import re
 import pytest
 
 import pagedqvg
-from pagedqvg.integrations.sglang import PagedCausalSelfAttentionKVCache, PagedQVGPackedCausalKVCache
+from pagedqvg.integrations.sglang.integration import PagedCausalSelfAttentionKVCache, PagedQVGPackedCausalKVCache
 
 REPO = pathlib.Path(__file__).resolve().parent.parent
 CLASSES = [pagedqvg.PagedCausalKVCache, PagedCausalSelfAttentionKVCache, PagedQVGPackedCausalKVCache]

@@ -921,7 +921,7 @@ def test_error_bound_detects_misplaced_rows():
 def test_machine_detects_rows_packed_out_of_place(monkeypatch):
     """A pack that stores every row one token late (so every read of the segment agrees with itself) is caught by
     the error bound."""
-    from pagedqvg.packing import PackedStore
+    from pagedqvg.store.packed_store import PackedStore
 
     real = PackedStore.quantize
 

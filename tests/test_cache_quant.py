@@ -9,7 +9,7 @@ from helpers import cursor, segment_at, segment_kind, sink_segment_starts
 
 from pagedqvg import BlockPool, CacheConfigError, PagedCausalKVCache, PoolExhaustedError, QuantConfig
 from pagedqvg.allocator.pool import debug_state
-from pagedqvg.synthetic import video_kv
+from pagedqvg.planning.synthetic import video_kv
 
 H, D, TPF = 2, 32, 16
 CHUNK = 3 * TPF
@@ -268,7 +268,7 @@ def test_packing_failure_after_the_commit_keeps_the_call_and_retries(monkeypatch
     call that triggered it: its write lands, the view is the quant-off view (the chunk stayed bf16, unchanged), the
     pool and the cache's accounting stay consistent, a PackingFailedWarning says so, and the next advance packs."""
     from pagedqvg import PackingFailedWarning
-    from pagedqvg.packing import PackedStore
+    from pagedqvg.store.packed_store import PackedStore
 
     real = PackedStore.quantize
     failures = [1]

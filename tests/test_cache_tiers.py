@@ -39,7 +39,7 @@ from pagedqvg.allocator.pool import PoolStats, debug_state
 from pagedqvg.errors import PackingFailedWarning
 from pagedqvg.quant.fp8 import Fp8Format
 
-_, TRITON_ERROR, DEVICE, WHY = triton_kernels("triton_view_runs", "_view_runs_kernel")
+_, TRITON_ERROR, DEVICE, WHY = triton_kernels("view.triton_view_runs", "_view_runs_kernel")
 needs_kernels = pytest.mark.skipif(DEVICE is None, reason=WHY)
 ON = DEVICE if DEVICE is not None else torch.device("cpu")
 
@@ -266,7 +266,7 @@ def test_tiered_views_through_triton_equal_torch(monkeypatch):
     history's runs go through the view-runs kernel and the int4 runs through the packed-dequant kernel, the fp8 runs
     through their torch reference."""
     contract_checked_kmeans(monkeypatch)
-    from pagedqvg.kernels import triton_dequant, triton_view_runs
+    from pagedqvg.kernels.view import triton_dequant, triton_view_runs
 
     launches = {"view_runs": 0, "packed_dequant": 0}
     real_runs, real_dq = triton_view_runs.view_runs_triton, triton_dequant.packed_dequant_triton

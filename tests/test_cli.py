@@ -12,10 +12,10 @@ from pathlib import Path
 
 import pytest
 
-from pagedqvg.cli import PLAN_SCHEMA, _size, main
-from pagedqvg.presets import PRESETS, quant_as_dict
+from pagedqvg.cli.app import PLAN_SCHEMA, _size, main
+from pagedqvg.planning.presets import PRESETS, quant_as_dict
+from pagedqvg.planning.simulate import SUMMARY_SCHEMA, TIMELINE_FIELDS
 from pagedqvg.quant.config import QuantConfig
-from pagedqvg.simulate import SUMMARY_SCHEMA, TIMELINE_FIELDS
 
 FULL_PRESETS = ["lingbot-world", "longlive2", "self-forcing"]
 # A small, fast simulate workload (~100 calls of 2 layers).
@@ -436,7 +436,7 @@ def test_bad_input_exits_2_with_one_line(capsys, case: str, tmp_path: Path) -> N
 
 def test_full_size_real_run_that_does_not_fit_exits_2(capsys, tmp_path: Path, monkeypatch) -> None:
     """A real run that would not fit the device's free memory is refused up front (the hint names --dry-run)."""
-    monkeypatch.setattr("pagedqvg.simulate.available_memory_bytes", lambda device: 4 << 30)
+    monkeypatch.setattr("pagedqvg.planning.simulate.available_memory_bytes", lambda device: 4 << 30)
     code, _, err = run(capsys, "simulate", "--preset", "lingbot-world", "--no-progress", "--out", str(tmp_path))
     assert code == 2 and len(err.splitlines()) == 1
     assert "--dry-run" in err and "free" in err

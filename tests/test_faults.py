@@ -26,8 +26,8 @@ import pytest
 import torch
 from test_threads import CACHES_PER_THREAD, PAGE_BYTES, kv, make_caches, random_program, run_call
 
-import pagedqvg.packing as packing
-import pagedqvg.page_io as page_io
+import pagedqvg.store.packed_store as packing
+import pagedqvg.store.page_io as page_io
 from pagedqvg import BlockPool
 from pagedqvg.allocator.pool import debug_state
 

@@ -35,7 +35,7 @@ pytestmark = pytest.mark.skipif(
 LONG = os.environ.get("PAGEDQVG_FAULTS_PROFILE", "short") == "long"
 PROGRAMS = {False: 15 if LONG else 3, True: 10 if LONG else 2}
 #: The kernel modules and the launch ops injected; each module binds `launch_on_device` at import.
-MODULES = ("triton_page_write", "triton_view_build", "triton_view_runs", "triton_dequant")
+MODULES = ("write.triton_page_write", "view.triton_view_build", "view.triton_view_runs", "view.triton_dequant")
 SITES = ("page_write", "page_fill", "view_build", "view_runs", "packed_dequant")
 
 

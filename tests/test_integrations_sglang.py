@@ -17,8 +17,8 @@ from helpers import cache_state, same
 
 from pagedqvg import BlockPool, CacheConfigError, IntegrationError, QuantConfig, SequencingError
 from pagedqvg.allocator.pool import debug_state
-from pagedqvg.integrations import sglang as integ
-from pagedqvg.integrations.sglang import (
+from pagedqvg.integrations.sglang import integration as integ
+from pagedqvg.integrations.sglang.integration import (
     PagedCausalSelfAttentionKVCache,
     PagedQVGPackedCausalKVCache,
     quant_config_from_sglang,

@@ -28,7 +28,7 @@ import torch
 pytest.importorskip("sglang.multimodal_gen.runtime.pipelines_core.stages.causal_denoising")
 
 from pagedqvg import QuantConfig
-from pagedqvg.integrations import sglang as integ
+from pagedqvg.integrations.sglang import integration as integ
 
 CI = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), ".ci")
 #: Tiny LingBot-World: heads x head_dim, layers, ffn, text dim; latent frames of 8x8 (2x2 patches: 16 tokens).

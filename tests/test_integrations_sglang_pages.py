@@ -1,4 +1,4 @@
-"""SGLang attention mode `pages` (pagedqvg.integrations.sglang_attention): the mode's parsing and errors, the deferred
+"""SGLang attention mode `pages` (pagedqvg.integrations.sglang.attention): the mode's parsing and errors, the deferred
 view (attention from the pages; `view.k` / `view.v` materialized on first use, bit for bit mode `view`'s), the
 `LocalAttention.forward` wrapper, and SGLang's real LongLive2 transformer end to end (that one needs SGLang 0.5.23's
 source: set PAGEDQVG_SGLANG_SRC to a folder holding its `sglang` package, e.g. the wheel extracted as
@@ -17,9 +17,9 @@ import torch
 from helpers import cache_state, same
 
 from pagedqvg import BlockPool, CacheConfigError, IntegrationError, SequencingError
-from pagedqvg.integrations import sglang as integ
-from pagedqvg.integrations import sglang_attention as attn
-from pagedqvg.integrations.sglang import PagedCausalSelfAttentionKVCache, PagedQVGPackedCausalKVCache
+from pagedqvg.integrations.sglang import attention as attn
+from pagedqvg.integrations.sglang import integration as integ
+from pagedqvg.integrations.sglang.integration import PagedCausalSelfAttentionKVCache, PagedQVGPackedCausalKVCache
 
 B, H, D, C, CHUNK = 1, 4, 64, 24, 4
 

@@ -1,4 +1,4 @@
-"""pagedqvg.integrations.sglang_plugin without SGLang: every environment value (good and bad), the SystemExit that
+"""pagedqvg.integrations.sglang.plugin without SGLang: every environment value (good and bad), the SystemExit that
 stops a process on a bad one (SGLang swallows a plugin's Exception), the version and signature checks, the entry
 point declared in pyproject.toml, and the AROUND hooks against stand-in stages. SGLang's real load_plugins(),
 HookRegistry and DiffGenerator run in .ci/sglang_runtime.sh."""
@@ -11,9 +11,9 @@ import pytest
 import torch
 
 from pagedqvg import BlockPool, IntegrationError, QuantConfig
-from pagedqvg.integrations import sglang as integ
-from pagedqvg.integrations import sglang_plugin as plugin
-from pagedqvg.integrations.sglang_plugin import PluginConfigError, settings_from_env
+from pagedqvg.integrations.sglang import integration as integ
+from pagedqvg.integrations.sglang import plugin
+from pagedqvg.integrations.sglang.plugin import PluginConfigError, settings_from_env
 
 GiB, MiB = 1 << 30, 1 << 20
 SINK, RECENT = "PAGEDQVG_KV_CACHE_QUANT_SINK", "PAGEDQVG_KV_CACHE_QUANT_RECENT"
@@ -151,7 +151,7 @@ def test_entry_point_is_declared():
     text = (Path(__file__).parents[1] / "pyproject.toml").read_text()
     table = text.split('[project.entry-points."sglang.multimodal_gen.plugins"]\n', 1)[1].split("\n[", 1)[0]
     assert [line for line in table.splitlines() if line.strip()] == [
-        'pagedqvg = "pagedqvg.integrations.sglang_plugin:register"'
+        'pagedqvg = "pagedqvg.integrations.sglang.plugin:register"'
     ]
 
 
@@ -279,7 +279,7 @@ def test_pages_mode_requires_its_attention_hook(monkeypatch):
     import sys
     import types
 
-    from pagedqvg.integrations import sglang_attention
+    from pagedqvg.integrations.sglang import attention as sglang_attention
 
     name = "sglang.multimodal_gen.runtime.platforms.plugins"
     parts = name.split(".")
@@ -299,7 +299,7 @@ def test_pages_mode_requires_its_attention_hook(monkeypatch):
 
 def test_pages_attention_around_falls_back_to_sglang_for_other_calls():
     """The AROUND hook hands every call that is not a pages-mode view's K/V pair to SGLang's own forward."""
-    from pagedqvg.integrations.sglang_attention import pages_attention_around
+    from pagedqvg.integrations.sglang.attention import pages_attention_around
 
     calls = []
 
@@ -321,7 +321,7 @@ def test_register_hooks_request_end_and_realtime_release(monkeypatch, caplog):
     import sys
     import types
 
-    from pagedqvg.integrations import sglang_sessions
+    from pagedqvg.integrations.sglang import sessions as sglang_sessions
 
     for key in [k for k in __import__("os").environ if k.startswith("PAGEDQVG")]:
         monkeypatch.delenv(key)

@@ -1,4 +1,4 @@
-"""Every SGLang allocation's caches are one SessionManager session (pagedqvg.integrations.sglang_sessions), driven
+"""Every SGLang allocation's caches are one SessionManager session (pagedqvg.integrations.sglang.sessions), driven
 through the hooks' code paths by stand-in stages whose `forward` follows SGLang 0.5.23's control flow:
 
 - the base / LongLive2 stage: caches kept on the stage (`causal_kv_cache`, with CFG also `causal_kv_cache_neg`),
@@ -27,8 +27,8 @@ import torch
 
 from pagedqvg import BlockPool, CacheClosedError, CacheConfigError, SessionRefusedError
 from pagedqvg.allocator.pool import debug_state
-from pagedqvg.integrations import sglang as integ
-from pagedqvg.integrations import sglang_sessions as sess
+from pagedqvg.integrations.sglang import integration as integ
+from pagedqvg.integrations.sglang import sessions as sess
 
 PAGE = 4096
 BLOCKS, HEADS, HEAD_DIM, PER_FRAME, FRAMES_PER_CHUNK, WINDOW_FRAMES, SINK_FRAMES = 2, 2, 16, 8, 2, 6, 1

@@ -32,7 +32,7 @@ def scenario():
 
 
 def make_cache(pool):
-    from pagedqvg.integrations.sglang import PagedCausalSelfAttentionKVCache
+    from pagedqvg.integrations.sglang.integration import PagedCausalSelfAttentionKVCache
 
     buf = torch.zeros(B, C, H, D)
     return PagedCausalSelfAttentionKVCache(

@@ -1,5 +1,5 @@
 """Registers, spills and shared memory of every Triton kernel at sm_90, at the LingBot-World (also 20 heads per
-Ulysses rank), LongLive2 and Self-Forcing layer shapes (pagedqvg/kernels/triton_resources.py): compiled in a fresh
+Ulysses rank), LongLive2 and Self-Forcing layer shapes (tools/triton_report/resources.py): compiled in a fresh
 compiled-mode process with the ptxas of the triton wheel (no GPU needed). Every kernel must compile (a compile
 failure fails the test; only a missing triton skips it), no kernel may spill, and the chosen tile/warp configs are
 pinned here so a change to them is deliberate. The table is printed (pytest -s) and quoted in the README.
@@ -11,7 +11,7 @@ from helpers import compiled_mode_json  # skips only when triton is not installe
 
 _SCRIPT = """
 import json
-from pagedqvg.kernels import triton_resources
+from tools.triton_report import resources as triton_resources
 rows = triton_resources.report(90)
 print(triton_resources.format_table(rows))
 print("JSON" + json.dumps(rows))

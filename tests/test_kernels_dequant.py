@@ -33,11 +33,11 @@ from helpers import (  # sets TRITON_INTERPRET
 )
 
 from pagedqvg import BlockPool, PagedCausalKVCache
-from pagedqvg.kernels.dequant import packed_dequant_torch, piece_table
-from pagedqvg.packing import PackedStore
+from pagedqvg.kernels.view.dequant import packed_dequant_torch, piece_table
 from pagedqvg.quant import FP8_DTYPE, PackedFormat, QuantConfig, prq_dequantize, prq_quantize
+from pagedqvg.store.packed_store import PackedStore
 
-tdq, TRITON_ERROR, DEVICE, WHY = triton_kernels("triton_dequant", "_packed_dequant_kernel")
+tdq, TRITON_ERROR, DEVICE, WHY = triton_kernels("view.triton_dequant", "_packed_dequant_kernel")
 needs_kernels = pytest.mark.skipif(DEVICE is None, reason=WHY)
 DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 
@@ -330,7 +330,7 @@ def test_packed_dequant_fp8_codebooks_bit_exact(dtype):
 
 
 def test_packed_dequant_rejects_cache_dtype_codebooks_for_fp8_format():
-    from pagedqvg.kernels.dequant import check_packed_dequant
+    from pagedqvg.kernels.view.dequant import check_packed_dequant
 
     fmt = PackedFormat(16, 2, QuantConfig.compact(block_size=16, centroids=4))
     tokens = torch.zeros(2, 4, 2, 1, fmt.token_row_bytes, dtype=torch.uint8)
@@ -344,9 +344,9 @@ def test_packed_dequant_rejects_cache_dtype_codebooks_for_fp8_format():
 # ---------------------------------------------------------------------------------------------- subprocess checks
 _AOT_SCRIPT = r"""
 import json, torch
-from pagedqvg.kernels import triton_aot
-from pagedqvg.kernels.triton_dequant import packed_dequant_launch, _packed_dequant_kernel
-from pagedqvg.kernels.triton_kmeans import kmeans_assign_launch, _kmeans_assign_kernel
+from tools.triton_report import aot as triton_aot
+from pagedqvg.kernels.view.triton_dequant import packed_dequant_launch, _packed_dequant_kernel
+from pagedqvg.kernels.pack.triton_kmeans import kmeans_assign_launch, _kmeans_assign_kernel
 from pagedqvg.quant import PackedFormat, QuantConfig
 M = torch.device("meta")
 res = {"params": {}}

@@ -33,9 +33,9 @@ from helpers import (  # sets TRITON_INTERPRET
 )
 
 from pagedqvg.kernels import dispatch
-from pagedqvg.kernels.kmeans import kmeans_assign_torch, kmeans_update_torch
+from pagedqvg.kernels.pack.kmeans import kmeans_assign_torch, kmeans_update_torch
 
-tkm, TRITON_ERROR, DEVICE, WHY = triton_kernels("triton_kmeans", "_kmeans_assign_kernel")
+tkm, TRITON_ERROR, DEVICE, WHY = triton_kernels("pack.triton_kmeans", "_kmeans_assign_kernel")
 needs_kernels = pytest.mark.skipif(DEVICE is None, reason=WHY)
 
 

@@ -29,10 +29,10 @@ from helpers import (  # sets TRITON_INTERPRET
     unique_rows,
 )
 
-from pagedqvg.kernels.page_write import page_fill_torch, page_write_torch
+from pagedqvg.kernels.write.page_write import page_fill_torch, page_write_torch
 
-tpw, TRITON_ERROR, DEVICE, WHY = triton_kernels("triton_page_write", "_page_write_kernel")
-tvb = triton_kernels("triton_view_build", "_view_build_kernel")[0]
+tpw, TRITON_ERROR, DEVICE, WHY = triton_kernels("write.triton_page_write", "_page_write_kernel")
+tvb = triton_kernels("view.triton_view_build", "_view_build_kernel")[0]
 needs_kernels = pytest.mark.skipif(DEVICE is None, reason=WHY)
 DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 
@@ -138,7 +138,9 @@ def test_empty_calls_touch_nothing():
 # ---------------------------------------------------------------------------------------------- subprocess checks
 _AOT_SCRIPT = r"""
 import json, sys, torch
-from pagedqvg.kernels import dispatch, triton_aot, triton_view_build
+from pagedqvg.kernels import dispatch
+from pagedqvg.kernels.view import triton_view_build
+from tools.triton_report import aot as triton_aot
 from pagedqvg.kernels.triton_common import is_interpreted
 result = {"interpreted": is_interpreted(triton_view_build._view_build_kernel)}
 try:
@@ -151,7 +153,7 @@ except RuntimeError as exc:
 params = {}
 for name in ("_page_write_kernel", "_page_fill_kernel", "_view_build_kernel"):
     mod = triton_view_build if name == "_view_build_kernel" else __import__(
-        "pagedqvg.kernels.triton_page_write", fromlist=["x"])
+        "pagedqvg.kernels.write.triton_page_write", fromlist=["x"])
     k = getattr(mod, name)
     params[name] = {"constexpr": [p.name for p in k.params if p.is_constexpr],
                     "not_specialized": [p.name for p in k.params if p.do_not_specialize]}

@@ -31,16 +31,16 @@ from helpers import (  # sets TRITON_INTERPRET
 
 from pagedqvg import BlockPool
 from pagedqvg.kernels import dispatch
-from pagedqvg.kernels.residual_pack import residual_pack_torch
-from pagedqvg.layout import page_pieces
-from pagedqvg.packing import PackedStore
+from pagedqvg.kernels.pack.residual_pack import residual_pack_torch
+from pagedqvg.layout.segments import page_pieces
 from pagedqvg.quant import FP8_DTYPE, PackedFormat, QuantConfig, pack_residual_rows, prq_kmeans, prq_quantize
+from pagedqvg.store.packed_store import PackedStore
 
 try:
     import triton
     import triton.language as tl
 
-    from pagedqvg.kernels import triton_residual_pack as trp
+    from pagedqvg.kernels.pack import triton_residual_pack as trp
 
     TRITON_ERROR = None
 except Exception as exc:  # pragma: no cover - depends on the install
@@ -356,9 +356,9 @@ def test_packed_store_triton_pages_equal_torch(monkeypatch, cfg, dtype):
 # ---------------------------------------------------------------------------------------------- subprocess checks
 _AOT_SCRIPT = r"""
 import json, torch
-from pagedqvg.kernels import triton_aot
-from pagedqvg.kernels.triton_residual_pack import residual_pack_launch, _residual_pack_kernel
-from pagedqvg.kernels.triton_kmeans import kmeans_update_launch, _kmeans_update_kernel
+from tools.triton_report import aot as triton_aot
+from pagedqvg.kernels.pack.triton_residual_pack import residual_pack_launch, _residual_pack_kernel
+from pagedqvg.kernels.pack.triton_kmeans import kmeans_update_launch, _kmeans_update_kernel
 from pagedqvg.quant import PackedFormat, QuantConfig
 M = torch.device("meta")
 res = {"params": {k.__name__: [p.name for p in k.params if p.do_not_specialize]

@@ -15,7 +15,7 @@ from hypothesis import strategies as st
 
 from pagedqvg import BlockPool, PagedCausalKVCache
 from pagedqvg.kernels.rows import int64_on, segment_row_index, token_rows
-from pagedqvg.layout import DenseTokenLayout
+from pagedqvg.layout.segments import DenseTokenLayout
 
 DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 

@@ -13,7 +13,7 @@ from helpers import triton_kernels  # sets TRITON_INTERPRET before triton is imp
 
 from pagedqvg.kernels.triton_common import Tile, tile_for
 
-_, _, DEVICE, WHY = triton_kernels("triton_page_write", "_page_write_kernel")
+_, _, DEVICE, WHY = triton_kernels("write.triton_page_write", "_page_write_kernel")
 
 
 def test_tile_depends_on_the_layer_shape_only():
@@ -36,12 +36,12 @@ def _zeros(*shape, dtype=torch.float32):
 def _every_triton_call(tr) -> dict[str, Callable[[], object]]:
     """One call of every public Triton entry point on tiny zeroed CPU tensors (all-zero indices and run tables are
     valid: page 0, slot 0, empty runs), keyed by the op name its launch reports."""
-    from pagedqvg.kernels import triton_dequant as tdq
-    from pagedqvg.kernels import triton_kmeans as tkm
-    from pagedqvg.kernels import triton_page_write as tpw
-    from pagedqvg.kernels import triton_residual_pack as trp
-    from pagedqvg.kernels import triton_view_build as tvb
-    from pagedqvg.kernels import triton_view_runs as tvr
+    from pagedqvg.kernels.pack import triton_kmeans as tkm
+    from pagedqvg.kernels.pack import triton_residual_pack as trp
+    from pagedqvg.kernels.view import triton_dequant as tdq
+    from pagedqvg.kernels.view import triton_view_build as tvb
+    from pagedqvg.kernels.view import triton_view_runs as tvr
+    from pagedqvg.kernels.write import triton_page_write as tpw
     from pagedqvg.quant import PackedFormat, QuantConfig
 
     h, d, n, bf = 2, 16, 3, torch.bfloat16
@@ -74,7 +74,8 @@ def test_every_triton_launch_runs_under_its_tensors_device(monkeypatch):
     """Every Triton entry point launches through `launch_on_device`, inside `device_guard(<its tensors' device>)`:
     the guard is spied on, each call must enter it exactly once with the device of its tensors, and the kernel must
     run while the guard is held."""
-    from pagedqvg.kernels import triton_common, triton_resources
+    from pagedqvg.kernels import triton_common
+    from tools.triton_report import resources as triton_resources
 
     entered: list[tuple[torch.device, bool]] = []
     held = {"now": False}
@@ -164,11 +165,11 @@ def test_launch_geometry_at_and_past_the_limits():
     groups into axis x, so 2 * B * head_blocks = 81,920 > 65,535 still launches; view_runs without `max_run` over
     a view longer than 65,535 row blocks raises GridLimitError before launching, and fits with the cache's
     max_run."""
-    from pagedqvg.kernels import triton_resources as tr
     from pagedqvg.kernels.triton_common import CUDA_GRID_MAX, GridLimitError, check_grid
-    from pagedqvg.kernels.triton_dequant import packed_dequant_launch
-    from pagedqvg.kernels.triton_view_runs import view_runs_launch
+    from pagedqvg.kernels.view.triton_dequant import packed_dequant_launch
+    from pagedqvg.kernels.view.triton_view_runs import view_runs_launch
     from pagedqvg.quant import PackedFormat, QuantConfig
+    from tools.triton_report import resources as tr
 
     meta = torch.device("meta")
     h, d, batch = 40, 128, 8192

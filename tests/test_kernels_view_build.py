@@ -25,9 +25,9 @@ from helpers import (  # sets TRITON_INTERPRET
 
 from pagedqvg import BlockPool, PagedCausalKVCache
 from pagedqvg.kernels import dispatch
-from pagedqvg.kernels.view_build import view_build_torch
+from pagedqvg.kernels.view.view_build import view_build_torch
 
-tvb, TRITON_ERROR, DEVICE, WHY = triton_kernels("triton_view_build", "_view_build_kernel")
+tvb, TRITON_ERROR, DEVICE, WHY = triton_kernels("view.triton_view_build", "_view_build_kernel")
 needs_kernels = pytest.mark.skipif(DEVICE is None, reason=WHY)
 DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 

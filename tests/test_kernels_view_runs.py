@@ -34,15 +34,15 @@ from helpers import (  # sets TRITON_INTERPRET
 
 from pagedqvg import BlockPool, PagedCausalKVCache
 from pagedqvg.kernels import dispatch
-from pagedqvg.kernels.dequant import packed_dequant_torch, piece_table
 from pagedqvg.kernels.rows import segment_row_index, token_rows
-from pagedqvg.kernels.view_build import view_build_torch
-from pagedqvg.kernels.view_runs import DENSE, PACKED, ZERO, dense_runs, packed_runs, view_runs_torch, zero_runs
-from pagedqvg.layout import DenseTokenLayout
-from pagedqvg.packing import PackedStore
+from pagedqvg.kernels.view.dequant import packed_dequant_torch, piece_table
+from pagedqvg.kernels.view.view_build import view_build_torch
+from pagedqvg.kernels.view.view_runs import DENSE, PACKED, ZERO, dense_runs, packed_runs, view_runs_torch, zero_runs
+from pagedqvg.layout.segments import DenseTokenLayout
 from pagedqvg.quant import QuantConfig, prq_quantize
+from pagedqvg.store.packed_store import PackedStore
 
-tvr, TRITON_ERROR, DEVICE, WHY = triton_kernels("triton_view_runs", "_view_runs_kernel")
+tvr, TRITON_ERROR, DEVICE, WHY = triton_kernels("view.triton_view_runs", "_view_runs_kernel")
 needs_kernels = pytest.mark.skipif(DEVICE is None, reason=WHY)
 #: Where the tensors live: the kernels' device, or the CPU for the reference-only tests when the kernels cannot run.
 ON = DEVICE if DEVICE is not None else torch.device("cpu")
@@ -336,7 +336,7 @@ def test_torch_backend_dispatch_is_the_reference(monkeypatch):
 
 # ---------------------------------------------------------------------------------------------- via the cache
 def _count_launches(monkeypatch):
-    from pagedqvg.kernels import triton_dequant, triton_view_build
+    from pagedqvg.kernels.view import triton_dequant, triton_view_build
 
     calls = {"view_runs": [], "view_build": 0, "packed_dequant": 0}
     real_runs = tvr.view_runs_triton
@@ -459,8 +459,8 @@ def test_cache_dense_views_of_several_ranges_one_row_index_launch(monkeypatch):
 # ---------------------------------------------------------------------------------------------- subprocess checks
 _AOT_SCRIPT = r"""
 import json, torch
-from pagedqvg.kernels import triton_aot
-from pagedqvg.kernels.triton_view_runs import _view_runs_kernel, view_runs_launch
+from tools.triton_report import aot as triton_aot
+from pagedqvg.kernels.view.triton_view_runs import _view_runs_kernel, view_runs_launch
 from pagedqvg.quant import PackedFormat, QuantConfig
 M = torch.device("meta")
 k = _view_runs_kernel

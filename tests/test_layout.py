@@ -1,4 +1,5 @@
-"""pagedqvg/layout.py: where rows sit in pages, checked against brute-force placements, and the page-size choice
+"""pagedqvg/layout/segments.py: where rows sit in pages, checked against brute-force placements, and the page-size
+choice
 against an exhaustive search. The planner's page counting (`segment_kinds`) must agree with the layouts the cache
 allocates by (`DenseTokenLayout`, `PackedSegmentLayout`)."""
 
@@ -9,7 +10,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from pagedqvg.layout import (
+from pagedqvg.layout.segments import (
     AUTO_PAGE_MAX_BYTES,
     AUTO_PAGE_WASTE,
     DenseTokenLayout,

@@ -1,4 +1,5 @@
-"""pagedqvg/packing.py: PackedStore packs a dense K/V chunk into pool pages and dequantizes token ranges back.
+"""pagedqvg/store/packed_store.py: PackedStore packs a dense K/V chunk into pool pages and dequantizes token ranges
+back.
 
 The oracle is the PRQ codec itself (pagedqvg/quant): `quantize` must give the token rows and codebooks of
 `prq_quantize` over the B*H folded heads (bit for bit), and every range / head slice dequantized from the pages must
@@ -12,8 +13,8 @@ import pytest
 import torch
 
 from pagedqvg import BlockPool, QuantConfig
-from pagedqvg.packing import PackedStore, QuantizedChunk
 from pagedqvg.quant import PackedFormat, prq_quantize
+from pagedqvg.store.packed_store import PackedStore, QuantizedChunk
 
 CFGS = {
     "int2-2st": QuantConfig(bits=2, centroids=4, block_size=8, stages=2),

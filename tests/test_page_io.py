@@ -1,4 +1,4 @@
-"""pagedqvg/page_io.py: PageIO against a dense model of the rows and the kernels' torch references.
+"""pagedqvg/store/page_io.py: PageIO against a dense model of the rows and the kernels' torch references.
 
 - Writes (any head slice, segments over shuffled pages) then views of any spans equal a dense `[2, B, tokens, H, D]`
   model bit for bit (random bit patterns, NaNs included), and each view is one kernel call (a row index for dense
@@ -21,12 +21,12 @@ from pagedqvg import BlockPool
 from pagedqvg.allocator import RangeIndex
 from pagedqvg.kernels import dispatch
 from pagedqvg.kernels.rows import record_gather
-from pagedqvg.kernels.view_build import gather_plan, view_build_torch
-from pagedqvg.layout import DenseTokenLayout
-from pagedqvg.packing import PackedStore
-from pagedqvg.page_io import PLAN_CACHE_SIZE, PageIO, ViewPlan, WritePlan
+from pagedqvg.kernels.view.view_build import gather_plan, view_build_torch
+from pagedqvg.layout.segments import DenseTokenLayout
 from pagedqvg.quant import QuantConfig, prq_dequantize
-from pagedqvg.segment import Segment, SegmentKind
+from pagedqvg.store.packed_store import PackedStore
+from pagedqvg.store.page_io import PLAN_CACHE_SIZE, PageIO, ViewPlan, WritePlan
+from pagedqvg.store.segment import Segment, SegmentKind
 
 DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 
@@ -81,7 +81,7 @@ class Layer:
 
 def count_calls(monkeypatch) -> dict[str, int]:
     """Counts of the dispatch functions PageIO calls (patched in page_io's namespace)."""
-    import pagedqvg.page_io as page_io
+    import pagedqvg.store.page_io as page_io
 
     calls = {"page_write": 0, "view_build": 0, "view_runs": 0, "page_fill": 0}
     for name in calls:

@@ -13,8 +13,9 @@ import sys
 import pytest
 
 import pagedqvg
-from pagedqvg import cache, debug, errors, quant, view
+from pagedqvg import debug, errors, quant, view
 from pagedqvg.allocator import pool, range_index
+from pagedqvg.cache import paged_cache as cache
 
 
 def test_every_public_name_is_the_defining_module_object():
@@ -50,8 +51,8 @@ def test_import_loads_neither_triton_nor_the_cache_nor_the_kernels():
     mods = loaded_after("import pagedqvg")
     assert "pagedqvg.quant" in mods and "pagedqvg.allocator" in mods  # the check sees what was loaded
     assert not {m for m in mods if m == "triton" or m.startswith(("triton.", "pagedqvg.kernels"))}, mods
-    assert "pagedqvg.cache" not in mods
-    mods = loaded_after("import pagedqvg.planner")
+    assert "pagedqvg.cache.paged_cache" not in mods
+    mods = loaded_after("import pagedqvg.planning.planner")
     assert not {m for m in mods if m.startswith(("triton", "pagedqvg.kernels"))}, mods
     mods = loaded_after("import pagedqvg\npagedqvg.PagedCausalKVCache")
-    assert "pagedqvg.cache" in mods and "triton" not in mods  # the cache loads on first use, triton still not
+    assert "pagedqvg.cache.paged_cache" in mods and "triton" not in mods  # the cache loads on first use, not triton

@@ -15,8 +15,8 @@ import pytest
 import torch
 
 from pagedqvg.allocator import BlockPool
-from pagedqvg.layout import AUTO_PAGE_MAX_BYTES, AUTO_PAGE_WASTE, choose_page_bytes, segment_kinds
-from pagedqvg.planner import (
+from pagedqvg.layout.segments import AUTO_PAGE_MAX_BYTES, AUTO_PAGE_WASTE, choose_page_bytes, segment_kinds
+from pagedqvg.planning.planner import (
     PLAN_MODES,
     POLICY_FIELDS,
     CountingLayer,
@@ -36,10 +36,10 @@ from pagedqvg.planner import (
     setting_geometries,
     setting_quant,
 )
-from pagedqvg.presets import PRESETS, Workload, get_preset
+from pagedqvg.planning.presets import PRESETS, Workload, get_preset
+from pagedqvg.planning.simulate import chunk_end_records, compare_records, run_accounting, run_caches, summarize
 from pagedqvg.quant.config import QuantConfig
 from pagedqvg.quant.format import PackedFormat
-from pagedqvg.simulate import chunk_end_records, compare_records, run_accounting, run_caches, summarize
 
 SMALL_QUANT = dict(centroids=4, block_size=16, kmeans_iters=1)
 
@@ -182,7 +182,7 @@ def test_plan_equals_pool_stats_tiered(case: str) -> None:
 def test_simulate_propagates_cache_errors_instead_of_running_bf16(monkeypatch) -> None:
     """A cache that refuses its quantization (here a SequencingError, a NotImplementedError) fails the run: no
     silent bf16 run whose figures would pass for the requested mode's."""
-    import pagedqvg.simulate as sim
+    import pagedqvg.planning.simulate as sim
     from pagedqvg.errors import SequencingError
 
     real = sim.make_caches
@@ -326,7 +326,8 @@ def test_replay_is_fast_for_long_windows() -> None:
 
 def test_planner_imports_neither_the_cache_nor_the_kernels() -> None:
     code = (
-        "import sys, pagedqvg.planner; print(sorted(m for m in sys.modules if 'kernels' in m or m == 'pagedqvg.cache'))"
+        "import sys, pagedqvg.planning.planner; "
+        "print(sorted(m for m in sys.modules if 'kernels' in m or m == 'pagedqvg.cache.paged_cache'))"
     )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert out.stdout.strip() == "[]"

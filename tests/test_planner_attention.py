@@ -9,10 +9,10 @@ import json
 
 import torch
 
-from pagedqvg.attention import ATTN_TILE_TOKENS, attention_scratch_bytes, packed_decode_bytes
-from pagedqvg.cli import main
-from pagedqvg.planner import Geometry, plan_geometry
-from pagedqvg.presets import PRESETS
+from pagedqvg.attention.pages import ATTN_TILE_TOKENS, attention_scratch_bytes, packed_decode_bytes
+from pagedqvg.cli.app import main
+from pagedqvg.planning.planner import Geometry, plan_geometry
+from pagedqvg.planning.presets import PRESETS
 
 
 def run(capsys, *argv: str) -> tuple[int, str]:
@@ -57,7 +57,7 @@ def test_pages_scratch_is_window_independent() -> None:
 
 
 def test_decode_step_matches_the_dequant_reference() -> None:
-    from pagedqvg.attention_budget import DECODE_STEP_ELEMS
-    from pagedqvg.kernels.dequant import DEQUANT_TILE_ELEMS
+    from pagedqvg.kernels.view.dequant import DEQUANT_TILE_ELEMS
+    from pagedqvg.layout.attention_scratch import DECODE_STEP_ELEMS
 
     assert DECODE_STEP_ELEMS == DEQUANT_TILE_ELEMS

@@ -1,4 +1,4 @@
-"""The pack policy (pagedqvg/policy.py): which segments pack after an advance, and in which order segments pack
+"""The pack policy (pagedqvg/cache/policy.py): which segments pack after an advance, and in which order segments pack
 early under pool pressure; checked on examples and against the rule written out as list slicing."""
 
 from __future__ import annotations
@@ -9,9 +9,9 @@ from dataclasses import dataclass
 import pytest
 
 from pagedqvg.allocator import RangeIndex
-from pagedqvg.policy import layer_pack_targets, pack_targets, pressure_candidates, sink_segment_starts
+from pagedqvg.cache.policy import layer_pack_targets, pack_targets, pressure_candidates, sink_segment_starts
+from pagedqvg.cache.sequencing import CacheSpec, Sequencer
 from pagedqvg.quant import QuantConfig
-from pagedqvg.sequencing import CacheSpec, Sequencer
 
 
 @dataclass

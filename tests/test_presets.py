@@ -1,4 +1,4 @@
-"""pagedqvg/presets.py: the model workloads, their CPU-sized minis, the GPU table and the lookups.
+"""pagedqvg/planning/presets.py: the model workloads, their CPU-sized minis, the GPU table and the lookups.
 
 The token numbers are the published shapes (README "Presets"): checked here field by field so a typo in a preset
 cannot silently move every plan; the lookups name the known values in their errors."""
@@ -11,7 +11,7 @@ import json
 import pytest
 import torch
 
-from pagedqvg.presets import (
+from pagedqvg.planning.presets import (
     DEFAULT_PLAN_PRESET,
     DEFAULT_SIMULATE_PRESET,
     GPUS,

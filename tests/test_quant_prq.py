@@ -7,9 +7,9 @@ import pytest
 import torch
 from helpers import check_means, check_near_ties
 
+from pagedqvg.planning.synthetic import relative_error, video_kv
 from pagedqvg.quant import PackedFormat, PRQSegment, QuantConfig, prq_dequantize, prq_quantize
 from pagedqvg.quant.prq import _block_quantize, assign_nearest, update_means
-from pagedqvg.synthetic import relative_error, video_kv
 
 INT2 = QuantConfig(bits=2)
 

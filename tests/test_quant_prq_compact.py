@@ -16,9 +16,9 @@ from __future__ import annotations
 import pytest
 import torch
 
+from pagedqvg.planning.synthetic import relative_error, video_kv
 from pagedqvg.quant import FP8_DTYPE, PackedFormat, QuantConfig, prq_kmeans, prq_quantize
 from pagedqvg.quant.prq import FIT_ONE, FIT_STEPS, _fit_multiplier
-from pagedqvg.synthetic import relative_error, video_kv
 
 REFERENCE = QuantConfig(bits=2)  # SGLang's int2 defaults: 128 centroids, block 64, 1 stage, 2 iterations, symmetric
 

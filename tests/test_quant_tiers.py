@@ -10,10 +10,10 @@ import pytest
 import torch
 
 from pagedqvg.allocator import BlockPool
-from pagedqvg.cache import PagedCausalKVCache
-from pagedqvg.cli import main
+from pagedqvg.cache.paged_cache import PagedCausalKVCache
+from pagedqvg.cli.app import main
 from pagedqvg.errors import CacheConfigError
-from pagedqvg.integrations.sglang import quant_config_from_sglang
+from pagedqvg.integrations.sglang.integration import quant_config_from_sglang
 from pagedqvg.quant import QuantConfig
 from pagedqvg.quant.config import TIER_FORMATS
 

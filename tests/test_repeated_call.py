@@ -18,8 +18,8 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 import pagedqvg
 from pagedqvg import BlockPool, PagedCausalKVCache, QuantConfig
-from pagedqvg.kernels import decode_plan
-from pagedqvg.synthetic import video_kv
+from pagedqvg.kernels.view import decode_plan
+from pagedqvg.planning.synthetic import video_kv
 
 B, H, D = 1, 4, 8
 CHUNK = 4
@@ -106,7 +106,7 @@ def test_repeated_call_reads_nothing_back_nor_the_environment(production, monkey
 
 
 def test_debug_switch_turns_the_index_checks_on(production):
-    from pagedqvg.kernels.view_build import view_build_torch
+    from pagedqvg.kernels.view.view_build import view_build_torch
 
     rows = torch.zeros(3, 4, 1, 2)
     out = torch.empty(1, 1, 1, 1, 2)

@@ -20,7 +20,7 @@ import torch
 from dense_reference import DenseReferenceCache
 
 from pagedqvg import BlockPool, PagedCausalKVCache, QuantConfig
-from pagedqvg.synthetic import video_kv
+from pagedqvg.planning.synthetic import video_kv
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device (the GPU subset)")
 

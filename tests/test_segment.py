@@ -1,4 +1,4 @@
-"""pagedqvg/segment.py: a stored chunk (`Segment`) and its kind (`SegmentKind`, a StrEnum equal to its values)."""
+"""pagedqvg/store/segment.py: a stored chunk (`Segment`) and its kind (`SegmentKind`, a StrEnum equal to its values)."""
 
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ import torch
 from helpers import segment_entries
 
 from pagedqvg import BlockPool, PagedCausalKVCache, QuantConfig
-from pagedqvg.segment import Segment, SegmentKind
+from pagedqvg.store.segment import Segment, SegmentKind
 
 
 def test_kinds_equal_their_strings():

@@ -1,4 +1,4 @@
-"""The sequencing core (pagedqvg/sequencing.py): spec validation, every transition against the dense reference
+"""The sequencing core (pagedqvg/cache/sequencing.py): spec validation, every transition against the dense reference
 (slot contents, cursors, pin, view ranges), errors that leave the state unchanged, and segment release."""
 
 from __future__ import annotations
@@ -12,9 +12,9 @@ import torch
 from dense_reference import DenseReferenceCache
 
 import pagedqvg
+from pagedqvg.cache.sequencing import CacheSpec, Sequencer, SlotState, effective_sink, view_slot_ranges
+from pagedqvg.cache.slot_map import SlotMap
 from pagedqvg.errors import CacheConfigError, SequencingError
-from pagedqvg.sequencing import CacheSpec, Sequencer, SlotState, effective_sink, view_slot_ranges
-from pagedqvg.slot_map import SlotMap
 
 
 def snapshot(seq: Sequencer) -> tuple:
@@ -259,7 +259,7 @@ def test_random_calls_follow_the_dense_reference(seed: int) -> None:
 
 @pytest.mark.parametrize("module", ["sequencing", "policy"])
 def test_core_modules_do_not_import_torch(module: str) -> None:
-    path = pathlib.Path(pagedqvg.__file__).parent / f"{module}.py"
+    path = pathlib.Path(pagedqvg.__file__).parent / "cache" / f"{module}.py"
     imported = set()
     for node in ast.walk(ast.parse(path.read_text())):
         if isinstance(node, ast.Import):

@@ -1,4 +1,5 @@
-"""Sessions on one pool (pagedqvg/sessions.py): planned peak == measured, admission and refusal (nothing changes),
+"""Sessions on one pool (pagedqvg/serving/sessions.py): planned peak == measured, admission and refusal (nothing
+changes),
 close, deterministic reclaim (dropped sessions without garbage collection, idle leases), queueing, and many
 sessions at different stages on one pool never meeting PoolExhaustedError."""
 
@@ -14,7 +15,7 @@ import torch
 
 from pagedqvg import BlockPool, CacheClosedError, CacheConfigError, PoolExhaustedError, QuantConfig
 from pagedqvg.allocator.pool import debug_state
-from pagedqvg.sessions import SessionManager, SessionSpec, planned_session_pages
+from pagedqvg.serving.sessions import SessionManager, SessionSpec, planned_session_pages
 
 PAGE = 1024
 QUANT = QuantConfig(bits=2, centroids=4, block_size=8, kmeans_iters=1, keep_recent_chunks=1, sink=False)

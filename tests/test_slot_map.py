@@ -1,4 +1,5 @@
-"""SlotMap (pagedqvg/slot_map.py) against a brute-force model: a plain list whose item i is the global token slot i
+"""SlotMap (pagedqvg/cache/slot_map.py) against a brute-force model: a plain list whose item i is the global token slot
+i
 holds. Every operation of the map must give what the same operation on the list gives, and the map's runs must
 stay the maximal decomposition of that list (slots contiguous from 0, adjacent runs never continuing each other)."""
 
@@ -8,7 +9,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from pagedqvg.slot_map import SlotMap
+from pagedqvg.cache.slot_map import SlotMap
 
 
 # ------------------------------------------------------------------------------------------------ the model

@@ -1,4 +1,5 @@
-"""Staggered sessions (pagedqvg/stagger.py): the planner's accounting equals real caches on a pool call by call,
+"""Staggered sessions (pagedqvg/planning/stagger.py): the planner's accounting equals real caches on a pool call by
+call,
 and the summary's peak / steady state."""
 
 from __future__ import annotations
@@ -8,8 +9,8 @@ import dataclasses
 import pytest
 
 from pagedqvg import QuantConfig
-from pagedqvg.sessions import SessionSpec, _geometry
-from pagedqvg.stagger import account_staggered, measure_staggered, session_geometry, stagger_summary
+from pagedqvg.planning.stagger import account_staggered, measure_staggered, session_geometry, stagger_summary
+from pagedqvg.serving.sessions import SessionSpec, _geometry
 
 QUANT = QuantConfig(bits=2, centroids=4, block_size=8, kmeans_iters=1, keep_recent_chunks=1, sink=False)
 
@@ -60,7 +61,7 @@ SMALL = ["--layers", "2", "--heads", "2", "--head-dim", "16", "--tokens-per-fram
 
 
 def test_cli_simulate_and_plan_with_stagger(capsys, tmp_path):
-    from pagedqvg.cli import main
+    from pagedqvg.cli.app import main
 
     args = ["--sessions", "3", "--stagger", "2", "--session-chunks", "5,3,6", *SMALL]
     assert main(["simulate", *args, "--out", str(tmp_path), "--json"]) == 0

@@ -7,7 +7,7 @@ import math
 import pytest
 import torch
 
-from pagedqvg.synthetic import relative_error, snr_db, video_kv
+from pagedqvg.planning.synthetic import relative_error, snr_db, video_kv
 
 
 def test_shapes_and_dtype() -> None:
@@ -52,7 +52,7 @@ def test_video_like_structure() -> None:
 
 
 def test_rope_rotates_k_by_position() -> None:
-    from pagedqvg.synthetic import _rope3d
+    from pagedqvg.planning.synthetic import _rope3d
 
     F, gh, gw, D = 2, 3, 4, 12  # 6 pairs: 2 for frame, 2 for row, 2 for column
     x = torch.randn(1, F * gh * gw, 1, D)

@@ -1,4 +1,5 @@
-"""Formats by age in the accounting (pagedqvg/tiers.py, policy.tier_targets, the planner's CountingLayer): the tier
+"""Formats by age in the accounting (pagedqvg/planning/tiers.py, policy.tier_targets, the planner's CountingLayer): the
+tier
 policy selects what `pack_targets` selects for untiered configs, tiered replays reach the closed-form bytes per
 tier, chunks only ever move to coarser formats, and `plan` reports the tiers."""
 
@@ -9,11 +10,11 @@ import json
 
 import pytest
 
-from pagedqvg.cli import main
-from pagedqvg.planner import CountingLayer, Geometry, PageCounter, is_scene_cut, plan_geometry
-from pagedqvg.presets import Workload, get_preset
+from pagedqvg.cli.app import main
+from pagedqvg.planning.planner import CountingLayer, Geometry, PageCounter, is_scene_cut, plan_geometry
+from pagedqvg.planning.presets import Workload, get_preset
+from pagedqvg.planning.tiers import ROLES, steady_segments, tier_layouts, tier_summary, tier_used_bytes
 from pagedqvg.quant.config import QuantConfig, format_rank
-from pagedqvg.tiers import ROLES, steady_segments, tier_layouts, tier_summary, tier_used_bytes
 
 SMALL = dict(centroids=4, block_size=16, kmeans_iters=1)
 
@@ -127,7 +128,7 @@ def test_plan_reports_bytes_per_tier(capsys) -> None:
 
 
 def test_recommended_tiers_per_preset() -> None:
-    from pagedqvg.presets import RECOMMENDED_TIERS, get_preset
+    from pagedqvg.planning.presets import RECOMMENDED_TIERS, get_preset
 
     for name, q in RECOMMENDED_TIERS.items():
         w = get_preset(name)

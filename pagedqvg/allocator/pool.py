@@ -15,8 +15,8 @@ from dataclasses import dataclass
 
 import torch
 
-from ..errors import PageOwnershipError, PoolExhaustedError, PoolInvariantError
-from ..validation import PAGE_ALIGN_BYTES, check_int, is_int, nearest_page_bytes
+from pagedqvg.errors import PageOwnershipError, PoolExhaustedError, PoolInvariantError
+from pagedqvg.validation import PAGE_ALIGN_BYTES, check_int, is_int, nearest_page_bytes
 
 DEFAULT_PAGE_BYTES = 1 << 20  # 1 MiB
 
@@ -203,8 +203,8 @@ class BlockPool:
         with quantization on, packed chunks with their codebooks), or `page_bytes` bytes if an int is given.
         ValueError for a bad shape or quantization setting (nothing is allocated)."""
         if page_bytes == "auto":
-            from ..layout import choose_page_bytes, segment_kinds
-            from ..quant.format import PackedFormat
+            from pagedqvg.layout.segments import choose_page_bytes, segment_kinds
+            from pagedqvg.quant.format import PackedFormat
 
             for name, value in (
                 ("num_heads", num_heads),

@@ -8,6 +8,6 @@ The package namespace holds only the backend queries; the dispatching kernels ar
 `<name>.py` (`page_write.py` holds the torch reference, `triton_page_write.py` the Triton kernel).
 """
 
-from .dispatch import kernel_backend, triton_available
+from pagedqvg.kernels.dispatch import kernel_backend, triton_available
 
 __all__ = ["kernel_backend", "triton_available"]

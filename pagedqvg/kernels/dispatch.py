@@ -33,10 +33,8 @@ from types import SimpleNamespace
 
 import torch
 
-from ..debug import debug_checks
-from .dequant import packed_dequant_torch
-from .kmeans import kmeans_assign_torch, kmeans_update_torch
-from .ops import (
+from pagedqvg.debug import debug_checks
+from pagedqvg.kernels.ops import (
     KmeansAssignArgs,
     KmeansUpdateArgs,
     PackedDequantArgs,
@@ -47,16 +45,18 @@ from .ops import (
     ViewRunsArgs,
     op_entry,
 )
-from .page_write import page_fill_torch, page_write_torch
-from .residual_pack import residual_pack_torch
-from .view_build import view_build_torch
-from .view_runs import check_run_values, view_runs_torch
+from pagedqvg.kernels.pack.kmeans import kmeans_assign_torch, kmeans_update_torch
+from pagedqvg.kernels.pack.residual_pack import residual_pack_torch
+from pagedqvg.kernels.view.dequant import packed_dequant_torch
+from pagedqvg.kernels.view.view_build import view_build_torch
+from pagedqvg.kernels.view.view_runs import check_run_values, view_runs_torch
+from pagedqvg.kernels.write.page_write import page_fill_torch, page_write_torch
 
 _VALID = ("auto", "torch", "triton")
 #: The Triton kernel modules; all import, or the Triton backend is unavailable (auto falls back to torch).
 _TRITON_MODULES = (
-    "triton_page_write", "triton_view_build", "triton_view_runs", "triton_dequant", "triton_kmeans",
-    "triton_residual_pack", "triton_attention", "triton_attention_split",
+    "write.triton_page_write", "view.triton_view_build", "view.triton_view_runs", "view.triton_dequant",
+    "pack.triton_kmeans", "pack.triton_residual_pack", "attention.triton_attention", "attention.triton_attention_split",
 )  # fmt: skip
 
 
@@ -123,7 +123,7 @@ def _triton(device: torch.device):
             f"PAGEDQVG_KERNELS=triton but the Triton kernels cannot be imported ({err}); install triton or set "
             f"PAGEDQVG_KERNELS=torch"
         )
-    from .triton_view_build import kernels_interpreted
+    from pagedqvg.kernels.view.triton_view_build import kernels_interpreted
 
     if device.type != "cuda" and not kernels_interpreted():
         raise RuntimeError(
@@ -131,7 +131,8 @@ def _triton(device: torch.device):
             f"the environment before triton and pagedqvg's Triton kernels are imported; set it at process start, "
             f"or set PAGEDQVG_KERNELS=torch (or auto) for {device.type} tensors"
         )
-    return SimpleNamespace(**{name: sys.modules[f"{__package__}.{name}"] for name in _TRITON_MODULES})
+    modules = {name.rpartition(".")[2]: sys.modules[f"{__package__}.{name}"] for name in _TRITON_MODULES}
+    return SimpleNamespace(**modules)
 
 
 @op_entry(PageWriteArgs)

@@ -28,7 +28,7 @@ from typing import Any, NamedTuple, TypeVar
 
 import torch
 
-from ..quant import PackedFormat
+from pagedqvg.quant import PackedFormat
 
 F = TypeVar("F", bound=Callable[..., Any])
 

@@ -11,7 +11,7 @@ import math
 
 import torch
 
-from ..allocator import BlockPool
+from pagedqvg.allocator import BlockPool
 
 
 def token_rows(pool: BlockPool, dtype: torch.dtype, num_heads: int, head_dim: int, rows_per_page: int) -> torch.Tensor:

@@ -24,7 +24,7 @@ from dataclasses import dataclass
 
 import torch
 
-from ..errors import PagedQVGError
+from pagedqvg.errors import PagedQVGError
 
 #: Elements per tile (rows x columns). 4096 bf16 = 8 KiB per program: 32 elements (four 16 B vectors) per thread
 #: at 4 warps. Tune with benchmarks/bench_kernels_cuda.py (--block-rows/--block-cols).

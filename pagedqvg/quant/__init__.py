@@ -1,8 +1,8 @@
 """PRQ quantization: config, the packed byte format, and the pure-torch quantizer/dequantizer."""
 
-from .config import QuantConfig
-from .format import FP8_DTYPE, FP8_MAX, PackedFields, PackedFormat
-from .prq import PRQResidual, PRQSegment, pack_residual_rows, prq_dequantize, prq_kmeans, prq_quantize
+from pagedqvg.quant.config import QuantConfig
+from pagedqvg.quant.format import FP8_DTYPE, FP8_MAX, PackedFields, PackedFormat
+from pagedqvg.quant.prq import PRQResidual, PRQSegment, pack_residual_rows, prq_dequantize, prq_kmeans, prq_quantize
 
 __all__ = [
     "FP8_DTYPE",

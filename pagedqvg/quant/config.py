@@ -16,7 +16,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, fields
 from typing import Any
 
-from ..validation import check_int
+from pagedqvg.validation import check_int
 
 #: Allowed values of `QuantConfig.bits` (None = quantization off: a dense cache).
 ALLOWED_BITS: tuple[int | None, ...] = (None, 2, 4)
@@ -115,7 +115,7 @@ class QuantConfig:
     @classmethod
     def compact(cls, **overrides: Any) -> QuantConfig:
         """The compact mode: >= 8x fewer bytes than bf16 per 4,680-token chunk at head_dim 128, codebooks included,
-        at no more K/V error than the reference int2 on `pagedqvg.synthetic` video (benchmarks/bench_prq.py).
+        at no more K/V error than the reference int2 on `pagedqvg.planning.synthetic` video (benchmarks/bench_prq.py).
 
         Symmetric int2 codes trit-packed (26 B), one fitted fp8 scale per 128 channels (1 B), one uint8 id (1 B):
         28 B per token-head, plus a 128 x 128 fp8 codebook per (K/V, head) (16 KiB, 3.5 B per token-head at 4,680

@@ -33,8 +33,8 @@ from dataclasses import dataclass
 
 import torch
 
-from ..validation import SUPPORTED_DTYPES, check_int
-from .config import QuantConfig
+from pagedqvg.quant.config import QuantConfig
+from pagedqvg.validation import SUPPORTED_DTYPES, check_int
 
 FP8_DTYPE = torch.float8_e4m3fn
 #: Largest finite float8_e4m3fn value; scales and zeros are clamped to [-FP8_MAX, FP8_MAX].

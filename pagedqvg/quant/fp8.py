@@ -21,8 +21,8 @@ from dataclasses import dataclass
 
 import torch
 
-from .config import FP8_BLOCK
-from .format import FP8_DTYPE, FP8_MAX
+from pagedqvg.quant.config import FP8_BLOCK
+from pagedqvg.quant.format import FP8_DTYPE, FP8_MAX
 
 _EXP_BIAS = 127
 

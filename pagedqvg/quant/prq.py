@@ -51,9 +51,9 @@ from dataclasses import dataclass
 
 import torch
 
-from ..validation import SUPPORTED_DTYPES
-from .config import QuantConfig
-from .format import FP8_DTYPE, FP8_MAX, PackedFormat
+from pagedqvg.quant.config import QuantConfig
+from pagedqvg.quant.format import FP8_DTYPE, FP8_MAX, PackedFormat
+from pagedqvg.validation import SUPPORTED_DTYPES
 
 #: Most floats in one distance (or one-hot) tile: 4 Mi floats = 16 MiB, i.e. ~410 tokens at 40 heads x 256 centroids.
 _TILE_ELEMS = 1 << 22

@@ -1,0 +1,229 @@
+"""The caches of every SGLang allocation as one `SessionManager` session: admitted, closed when the request ends.
+
+SGLang 0.5.23's causal stages allocate a layer-list of KV caches per request (`_allocate_causal_kv_cache`; twice with
+classifier-free guidance). `admit(stage, caches, ...)` (called by `build_paged_caches` for every allocation) makes the
+list one session of the pool's `SessionManager`:
+
+- **Admission** by planned peak: the session reserves the page census of its caches run in the stage's chunk
+  pattern (`SessionSpec`: blocks, batch, window, heads, head_dim, sinks, quantization; chunk = the stage's
+  `num_frames_per_block x num_token_per_frame` tokens, or the largest chunk the window holds when the stage does not
+  say). A list that does not fit the pool's free pages minus what open sessions may still take is refused with
+  `SessionRefusedError` naming the stage, the pages needed, free and reserved, at allocation, before any token is
+  written (nothing stays allocated), instead of a `PoolExhaustedError` deep inside a forward.
+- **The list holds its session**: SGLang gets a `SessionCaches` (a `list` of the caches with a `session`
+  attribute). While SGLang keeps the list (the stage's `causal_kv_cache`, a realtime session's state), the session
+  is open; once SGLang drops it, the session is abandoned and `SessionManager.reclaim()` closes it at the next
+  reclaim point (every admission and every request end): deterministic, no garbage collection involved.
+- **Request end** (`request_scope`, entered by the AROUND hook on the stages' `forward`): when the outermost forward
+  returns or raises, every session the request allocated is closed (all pages back in one critical section) and the
+  stage's references to it (`causal_kv_cache` / `causal_kv_cache_neg` and their cross-attention partners) are cleared
+  so that the next request allocates (and is admitted) afresh, except a list a realtime session state holds
+  (`batch.session`, SGLang's `RealtimeSession`: LingBot-World keeps its caches across chunk calls); that one stays
+  open until SGLang disposes the state (`dispose_before`, a BEFORE hook on `RealtimeCausalDiTState.dispose`:
+  release, eviction, a restart at block 0) or drops it. Then abandoned sessions of every pool are reclaimed.
+
+So after each request the pool holds only the pages of realtime sessions SGLang keeps; with none, 0 pages.
+Complexity: admit O(planner replay of one layer, cached per shape) + O(open sessions); request end O(pages closed).
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from typing import Any
+
+from pagedqvg.allocator import BlockPool
+from pagedqvg.errors import CacheConfigError, SessionRefusedError
+from pagedqvg.serving.sessions import Session, SessionManager, SessionSpec
+
+__all__ = [
+    "SessionCaches",
+    "admit",
+    "dispose_before",
+    "forward_around",
+    "manager_for",
+    "pages_in_use",
+    "request_scope",
+]
+
+_lock = threading.RLock()
+_managers: dict[int, SessionManager] = {}  # id(pool) -> its manager (the pool is kept alive by the manager)
+_scopes = threading.local()  # .stack: the open request scopes of this thread (outermost first)
+#: Called as listener(stage, pools) after every request end (the plugin logs pages in use).
+request_listeners: list[Callable[[Any, list[BlockPool]], None]] = []
+
+
+class SessionCaches(list):
+    """The caches of one allocation (one per transformer block), as SGLang gets them: a `list`, holding the
+    `Session` that owns them (`session`), so the session lives exactly as long as SGLang keeps the list."""
+
+    __slots__ = ("session",)
+
+    def __init__(self, caches: list, session: Session) -> None:
+        super().__init__(caches)
+        self.session = session
+
+
+def manager_for(pool: BlockPool) -> SessionManager:
+    """The one `SessionManager` of `pool` (made at its first session). O(1)."""
+    with _lock:
+        manager = _managers.get(id(pool))
+        if manager is None or manager.pool is not pool:
+            manager = _managers[id(pool)] = SessionManager(pool)
+        return manager
+
+
+def forget_managers() -> None:
+    """Drop the managers (`uninstall()`): sessions already open stay open; their caches keep working."""
+    with _lock:
+        _managers.clear()
+
+
+def _chunk_tokens(stage: Any, window: int) -> int:
+    """Tokens per chunk of `stage` (`num_frames_per_block x num_token_per_frame`), else `window` (the largest)."""
+    frames, per_frame = getattr(stage, "num_frames_per_block", None), getattr(stage, "num_token_per_frame", None)
+    if all(isinstance(x, int) and not isinstance(x, bool) and x > 0 for x in (frames, per_frame)):
+        return min(frames * per_frame, window)
+    return window
+
+
+def session_spec(stage: Any, caches: list, *, allow_growth: bool) -> SessionSpec | None:
+    """The `SessionSpec` of one allocation's caches in `stage`'s chunk pattern; None when no peak can be planned
+    (growth, or a geometry the planner refuses, e.g. a chunk larger than the window)."""
+    first = caches[0]
+    sink = max(first.sink_tokens, first.global_sink_tokens)
+    if allow_growth or first.cache_size - sink < 1:
+        return None
+    return SessionSpec(
+        layers=len(caches),
+        batch_size=first.batch_size,
+        cache_size=first.cache_size,
+        num_heads=first.num_cache_heads,
+        head_dim=first.head_dim,
+        chunk_tokens=_chunk_tokens(stage, first.cache_size - sink),
+        dtype=first.dtype,
+        sink_tokens=first.sink_tokens,
+        global_sink_tokens=first.global_sink_tokens,
+        attention_window_size=first.attention_window_size,
+        quant=first.quant,
+    )
+
+
+def _planned_pages(manager: SessionManager, spec: SessionSpec | None) -> int:
+    if spec is None:
+        return 0
+    try:
+        return manager.planned_pages(spec)
+    except CacheConfigError:
+        return 0  # the planner refuses this geometry: the session is tracked and closed, not reserved
+
+
+def admit(stage: Any, caches: list, *, allow_growth: bool = False) -> SessionCaches:
+    """`caches` (one allocation, built on one pool, no token written) as one session: reserved at its planned peak,
+    registered with the current request scope. SessionRefusedError (the caches closed, the pool as before) when the
+    plan does not fit. O(replay) the first time a shape is seen, then O(open sessions)."""
+    pool = caches[0].pool
+    manager = manager_for(pool)
+    spec = session_spec(stage, caches, allow_growth=allow_growth)
+    need = _planned_pages(manager, spec)
+    label = f"{type(stage).__name__}.kv{len(caches)}"
+    try:
+        session = manager.adopt([list(caches)], name=label, planned_pages=need)
+    except SessionRefusedError as exc:
+        for cache in caches:
+            cache.close()
+        raise _refusal(stage, caches, spec, exc) from None
+    out = SessionCaches(caches, session)
+    stack = getattr(_scopes, "stack", None)
+    if stack:
+        stack[0].append(out)
+    return out
+
+
+def _refusal(stage: Any, caches: list, spec: SessionSpec | None, exc: SessionRefusedError) -> SessionRefusedError:
+    first = caches[0]
+    chunk = f"chunks of {spec.chunk_tokens} tokens" if spec is not None else "no chunk plan"
+    pool = first.pool
+    return SessionRefusedError(
+        f"{type(stage).__name__}: KV caches of {len(caches)} blocks x batch {first.batch_size} x {first.cache_size} "
+        f"slots x {first.num_cache_heads} heads x {first.head_dim} ({first.dtype}, {chunk}) need {exc.needed_pages} "
+        f"pages of {pool.page_bytes} B at their planned peak, but only {exc.available_pages} are available: "
+        f"{exc.free_pages} of {pool.num_pages} free, {exc.reserved_pages} reserved by open sessions; raise "
+        f"PAGEDQVG_BUDGET (install(budget_bytes=...)), end realtime sessions, or quantize (PAGEDQVG_KV_CACHE_QUANT)",
+        needed_pages=exc.needed_pages,
+        available_pages=exc.available_pages,
+        free_pages=exc.free_pages,
+        reserved_pages=exc.reserved_pages,
+    )
+
+
+def _realtime_lists(batch: Any) -> list[int]:
+    """ids of the cache lists the request's realtime session (SGLang's `RealtimeSession`) keeps across calls."""
+    session = getattr(batch, "session", None)
+    states = getattr(session, "_states", None)
+    if not isinstance(states, dict):
+        return []
+    return [id(getattr(state, "kv_cache", None)) for state in states.values()]
+
+
+_STAGE_REFS = (("causal_kv_cache", "crossattn_cache"), ("causal_kv_cache_neg", "crossattn_cache_neg"))
+
+
+def end_request(stage: Any, batch: Any, allocated: list[SessionCaches]) -> None:
+    """Close every session of `allocated` no realtime state keeps and clear `stage`'s references to it; then
+    reclaim abandoned sessions of every pool and tell the listeners. O(pages closed + open sessions)."""
+    kept = set(_realtime_lists(batch))
+    for caches in allocated:
+        if id(caches) in kept:
+            continue
+        caches.session.close()
+        for kv_attr, cross_attr in _STAGE_REFS:
+            if stage is not None and getattr(stage, kv_attr, None) is caches:
+                setattr(stage, kv_attr, None)
+                if hasattr(stage, cross_attr):
+                    setattr(stage, cross_attr, None)
+    with _lock:
+        managers = list(_managers.values())
+    for manager in managers:
+        manager.reclaim()
+    for listener in list(request_listeners):
+        listener(stage, [m.pool for m in managers])
+
+
+@contextmanager
+def request_scope(stage: Any, batch: Any = None) -> Iterator[list[SessionCaches]]:
+    """One request: the sessions allocated inside (on this thread) end with the outermost scope, returned or
+    raised (see the module doc). Nested scopes (a forward calling another) join the outermost."""
+    stack = getattr(_scopes, "stack", None)
+    if stack is None:
+        stack = _scopes.stack = []
+    outermost = not stack
+    allocated: list[SessionCaches] = stack[0] if stack else []
+    stack.append(allocated)
+    try:
+        yield allocated
+    finally:
+        stack.pop()
+        if outermost:
+            end_request(stage, batch, allocated)
+
+
+def forward_around(original: Any, stage: Any, *args: Any, **kwargs: Any) -> Any:
+    """AROUND hook for the causal stages' `forward(batch, server_args)`: the call is one request scope."""
+    batch = args[0] if args else kwargs.get("batch")
+    with request_scope(stage, batch):
+        return original(stage, *args, **kwargs)
+
+
+def dispose_before(state: Any, *args: Any, **kwargs: Any) -> None:
+    """BEFORE hook for SGLang's `RealtimeCausalDiTState.dispose`: the state's caches (a realtime session SGLang
+    releases, evicts or restarts) are closed now, every page back."""
+    caches = getattr(state, "kv_cache", None)
+    if isinstance(caches, SessionCaches):
+        caches.session.close()
+
+
+def pages_in_use(pools: list[BlockPool]) -> int:
+    """Pages held in `pools` now. O(pools)."""
+    return sum(p.num_pages - p.num_free_pages for p in pools)

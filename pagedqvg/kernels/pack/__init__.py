@@ -1,0 +1,3 @@
+"""PRQ packing kernels: k-means assignment/update and the residual pack, each torch reference beside its
+Triton kernel.
+"""
