@@ -648,7 +648,7 @@ class Setup:
 
 def check_spills(device: torch.device) -> bool:
     """Registers and spills of every Triton binary this run compiled, as the driver loaded them (Triton's
-    `n_regs`/`n_spills`); the AOT table (`python -m tools.triton_report.aot --report`) says 0 spills for every
+    `n_regs`/`n_spills`); the AOT table (`python -m tools.triton_report --report`) says 0 spills for every
     kernel at sm_90, so a spill here means the GPU's toolchain disagrees. True when none spills."""
     from pagedqvg.kernels.attention import triton_attention, triton_attention_split
     from pagedqvg.kernels.pack import triton_kmeans, triton_residual_pack

@@ -21,7 +21,7 @@ from pagedqvg import BlockPool, PagedCausalKVCache, QuantConfig
 from pagedqvg.attention.pages import plan_sources
 from pagedqvg.kernels.attention import attention_split as asp
 from pagedqvg.kernels.attention.attention_runs import attend_runs_torch, expand_rows
-from pagedqvg.kernels.attention.triton_attention import attend_triton
+from pagedqvg.kernels.attention.triton_attention_split import attend_triton
 from pagedqvg.kernels.ops import AttendArgs
 
 tas, TRITON_ERROR, DEVICE, WHY = triton_kernels("attention.triton_attention_split", "_attend_split_kernel")

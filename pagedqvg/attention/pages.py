@@ -239,7 +239,7 @@ def _attend_pages_triton(io: PageIO, plan: ViewPlan, head_start: int, query: tor
     """The Triton backend's `attend_pages`: one launch of the attention kernel over the plan (no tiles, no
     scratch besides the output), or for calls with few query blocks x heads the split-KV pair
     (kernels/triton_attention_split.py; partials scratch: `attention_budget.split_scratch_bytes`)."""
-    from pagedqvg.kernels.attention.triton_attention import (
+    from pagedqvg.kernels.attention.triton_attention_split import (
         attend_triton,  # lazily: importing pagedqvg never imports triton
     )
 

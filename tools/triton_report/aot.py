@@ -17,9 +17,7 @@ kernels must be real `JITFunction`s: run with TRITON_INTERPRET unset. Meta tenso
 
 from __future__ import annotations
 
-import json
 import re
-import sys
 
 import torch
 
@@ -192,36 +190,7 @@ def report(arch: int = 90, compile_kernels: bool = True, page_bytes: int = 2 << 
     return out
 
 
-def main(argv: list[str] | None = None) -> int:
-    import argparse
-
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--arch", type=int, default=90, help="CUDA compute capability as an int (90 = H100/H200)")
-    parser.add_argument("--no-compile", action="store_true", help="only the specialization keys (fast)")
-    parser.add_argument("--report", action="store_true",
-                        help="registers, spills and shared memory of every kernel at the model shapes (a table)")
-    parser.add_argument("--json", action="store_true", help="with --report: the rows as JSON")
-    args = parser.parse_args(argv)
-    if args.report:
-        from tools.triton_report import resources as triton_resources
-
-        rows = triton_resources.report(args.arch)
-        if args.json:
-            print(json.dumps(rows))
-        else:
-            print(f"sm_{args.arch}, ptxas -v of the triton {_triton_version()} wheel, batch 1, bf16")
-            print(triton_resources.format_table(rows))
-        return 0
-    json.dump(report(args.arch, not args.no_compile), sys.stdout, indent=1)
-    print()
-    return 0
-
-
-def _triton_version() -> str:
+def triton_version() -> str:
     import triton
 
     return triton.__version__
-
-
-if __name__ == "__main__":
-    raise SystemExit(main())

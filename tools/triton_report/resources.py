@@ -16,7 +16,7 @@ k-means tiles and warps by head_dim (`triton_kmeans.kmeans_warps`), the residual
 format's code bytes and blocks and its warps by `fit_scales` (`triton_residual_pack.pack_warps`). The presets all
 have head_dim 128 and at least 8 heads, so each kernel gets one config (and one binary) at every model shape.
 
-`python -m tools.triton_report.aot --report` prints the table; tests/test_kernels_compile_resources.py asserts
+`python -m tools.triton_report --report` prints the table; tests/test_kernels_compile_resources.py asserts
 0 spills for every row and pins the chosen configs.
 """
 

@@ -40,7 +40,7 @@ import triton
 import triton.language as tl
 
 from pagedqvg.kernels.ops import AttendArgs, op_entry
-from pagedqvg.kernels.triton_common import NUM_WARPS, cdiv, is_interpreted, launch_on_device, next_pow2
+from pagedqvg.kernels.triton_common import NUM_WARPS, cdiv, is_interpreted, next_pow2
 from pagedqvg.kernels.view.triton_dequant import (
     OUT_KIND,
     _f32_to_bf16_rtne,
@@ -304,23 +304,3 @@ def attend_launch(
         num_warps=NUM_WARPS if is_interpreted(_attend_kernel) else 8 if block_d >= 128 else NUM_WARPS,
     )  # fmt: skip
     return _attend_kernel, grid, args, kwargs
-
-
-@op_entry(AttendArgs)
-def attend_triton(
-    a: AttendArgs, out: torch.Tensor, *, splits: int | None = None, key_noise: bool = False, **blocks
-) -> None:
-    """`attend_runs_torch` in Triton (arguments: `ops.AttendArgs`, then `out` `[B, Tq, hin, D]`, which it writes):
-    one launch, or the keys split into `splits` ranges with a merge launch (triton_attention_split.py; None: its
-    `auto_splits` picks, 1 for most calls). `key_noise` (the key-noise bias, `KEY_NOISE`): always one launch (the
-    split kernel has no bias)."""
-    from pagedqvg.kernels.attention import triton_attention_split as split  # lazily: it imports this module
-
-    if key_noise:
-        launch_on_device("attention", attend_launch(a, out, key_noise=True, **blocks))
-        return
-    s = split.auto_splits(a, **blocks) if splits is None else splits
-    if s == 1:
-        launch_on_device("attention", attend_launch(a, out, **blocks))
-    else:
-        split.attend_split_triton(a, out, s, **blocks)

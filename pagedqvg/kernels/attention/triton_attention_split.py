@@ -251,3 +251,20 @@ def attend_split_triton(a: AttendArgs, out: torch.Tensor, splits: int, **blocks)
     launch_on_device("attention split", partials)
     launch_on_device("attention merge", merge)
 
+
+@op_entry(AttendArgs)
+def attend_triton(
+    a: AttendArgs, out: torch.Tensor, *, splits: int | None = None, key_noise: bool = False, **blocks
+) -> None:
+    """`attend_runs_torch` in Triton (arguments: `ops.AttendArgs`, then `out` `[B, Tq, hin, D]`, which it writes):
+    one launch, or the keys split into `splits` ranges with a merge launch (this module; None: its
+    `auto_splits` picks, 1 for most calls). `key_noise` (the key-noise bias, `KEY_NOISE`): always one launch (the
+    split kernel has no bias)."""
+    if key_noise:
+        launch_on_device("attention", attend_launch(a, out, key_noise=True, **blocks))
+        return
+    s = auto_splits(a, **blocks) if splits is None else splits
+    if s == 1:
+        launch_on_device("attention", attend_launch(a, out, **blocks))
+    else:
+        attend_split_triton(a, out, s, **blocks)
