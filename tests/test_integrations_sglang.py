@@ -23,6 +23,12 @@ from pagedqvg.integrations.sglang.integration import (
     PagedQVGPackedCausalKVCache,
     quant_config_from_sglang,
 )
+from pagedqvg.integrations.sglang.versions import CURRENT, targets_for
+
+#: SGLang's modules from versions.py's table (what install() imports and patches).
+QVG_MODULE = targets_for(CURRENT, "cache_class")[1].module
+STAGE_MODULE = targets_for(CURRENT, "allocate")[0].module
+LINGBOT_STAGE_MODULE = targets_for(CURRENT, "allocate_lingbot")[0].module
 
 B, H, D = 1, 4, 8
 
@@ -437,9 +443,9 @@ def fake_sglang(monkeypatch):
         "sglang.multimodal_gen.runtime.layers",
         "sglang.multimodal_gen.runtime.layers.kvcache",
         integ.KVCACHE_MODULE,
-        integ.QVG_MODULE,
-        integ.STAGE_MODULE,
-        integ.LINGBOT_STAGE_MODULE,
+        QVG_MODULE,
+        STAGE_MODULE,
+        LINGBOT_STAGE_MODULE,
     ]
     mods = {}
     for name in names:
@@ -463,9 +469,12 @@ def fake_sglang(monkeypatch):
     kvmod.CausalAttentionKVView = View
     kvmod.CausalSelfAttentionKVCache = _DenseStandIn
     mods["sglang.multimodal_gen.runtime.layers.kvcache"].CausalSelfAttentionKVCache = _DenseStandIn
-    mods[integ.QVG_MODULE].QVGPackedCausalKVCache = _QVGStandIn
+    mods[QVG_MODULE].QVGPackedCausalKVCache = _QVGStandIn
 
-    def original_allocate(self, **kwargs):
+    def original_allocate(  # SGLang 0.5.23's signature (the hooks refuse another)
+        self, batch_size, kv_cache_size, num_attention_heads, attention_head_dim, dtype, device,
+        use_int_indices=False, sink_tokens=0, global_sink_tokens=0, attention_window_size=None, allow_growth=False,
+    ):  # fmt: skip
         return ["dense buffers"]
 
     def forward(self, batch, server_args):  # SGLang's: the stage keeps the caches it allocates
@@ -478,14 +487,14 @@ def fake_sglang(monkeypatch):
         return self.causal_kv_cache[0].pool
 
     stage = type("CausalDMDDenoisingStage", (), {"_allocate_causal_kv_cache": original_allocate, "forward": forward})
-    stage.__module__ = integ.STAGE_MODULE
-    mods[integ.STAGE_MODULE].CausalDMDDenoisingStage = stage
-    mods[integ.STAGE_MODULE].CausalSelfAttentionKVCache = _DenseStandIn
-    mods[integ.STAGE_MODULE].QVGPackedCausalKVCache = _QVGStandIn
+    stage.__module__ = STAGE_MODULE
+    mods[STAGE_MODULE].CausalDMDDenoisingStage = stage
+    mods[STAGE_MODULE].CausalSelfAttentionKVCache = _DenseStandIn
+    mods[STAGE_MODULE].QVGPackedCausalKVCache = _QVGStandIn
     lingbot = type("LingBotWorldCausalDMDDenoisingStage", (stage,), {"_allocate_causal_kv_cache": original_allocate})
-    lingbot.__module__ = integ.LINGBOT_STAGE_MODULE
-    mods[integ.LINGBOT_STAGE_MODULE].LingBotWorldCausalDMDDenoisingStage = lingbot
-    mods[integ.LINGBOT_STAGE_MODULE].QVGPackedCausalKVCache = _QVGStandIn
+    lingbot.__module__ = LINGBOT_STAGE_MODULE
+    mods[LINGBOT_STAGE_MODULE].LingBotWorldCausalDMDDenoisingStage = lingbot
+    mods[LINGBOT_STAGE_MODULE].QVGPackedCausalKVCache = _QVGStandIn
     yield types.SimpleNamespace(
         mods=mods, stage=stage, lingbot=lingbot, View=View, allocate=original_allocate, forward=forward
     )
@@ -495,20 +504,20 @@ def fake_sglang(monkeypatch):
 def test_install_patches_every_binding_and_the_allocation(fake_sglang):
     patched = integ.install(budget_bytes=16 << 20)
     assert set(patched) == {
-        f"{integ.STAGE_MODULE}.CausalDMDDenoisingStage._allocate_causal_kv_cache",
-        f"{integ.LINGBOT_STAGE_MODULE}.LingBotWorldCausalDMDDenoisingStage._allocate_causal_kv_cache",
-        f"{integ.STAGE_MODULE}.CausalDMDDenoisingStage.forward",
+        f"{STAGE_MODULE}.CausalDMDDenoisingStage._allocate_causal_kv_cache",
+        f"{LINGBOT_STAGE_MODULE}.LingBotWorldCausalDMDDenoisingStage._allocate_causal_kv_cache",
+        f"{STAGE_MODULE}.CausalDMDDenoisingStage.forward",
         f"{integ.KVCACHE_MODULE}.CausalSelfAttentionKVCache",
         "sglang.multimodal_gen.runtime.layers.kvcache.CausalSelfAttentionKVCache",
-        f"{integ.STAGE_MODULE}.CausalSelfAttentionKVCache",
-        f"{integ.QVG_MODULE}.QVGPackedCausalKVCache",
-        f"{integ.STAGE_MODULE}.QVGPackedCausalKVCache",
-        f"{integ.LINGBOT_STAGE_MODULE}.QVGPackedCausalKVCache",
+        f"{STAGE_MODULE}.CausalSelfAttentionKVCache",
+        f"{QVG_MODULE}.QVGPackedCausalKVCache",
+        f"{STAGE_MODULE}.QVGPackedCausalKVCache",
+        f"{LINGBOT_STAGE_MODULE}.QVGPackedCausalKVCache",
     }
     assert integ.install(budget_bytes=16 << 20) == patched  # idempotent
     mods = fake_sglang.mods
     assert mods[integ.KVCACHE_MODULE].CausalSelfAttentionKVCache is PagedCausalSelfAttentionKVCache
-    assert mods[integ.LINGBOT_STAGE_MODULE].QVGPackedCausalKVCache is PagedQVGPackedCausalKVCache
+    assert mods[LINGBOT_STAGE_MODULE].QVGPackedCausalKVCache is PagedQVGPackedCausalKVCache
 
     stage = fake_sglang.stage()
     stage.num_transformer_blocks = 3
@@ -541,6 +550,15 @@ def test_install_patches_every_binding_and_the_allocation(fake_sglang):
     lingbot = fake_sglang.lingbot()
     lingbot.num_transformer_blocks = 2
     lingbot._kv_quant_args = types.SimpleNamespace(enabled=True, **_qargs(bits=2, block_size=64))
+    shared = integ.shared_pool("cpu")
+    before = (debug_state(shared), shared.num_free_pages)
+    with pytest.raises(CacheConfigError, match=r"need pages of at least 2048 bytes .* pages of 512 bytes \(chosen for"):
+        lingbot._allocate_causal_kv_cache(  # 128 fp32 codebook rows of 4 channels: 2 KiB, over the shared 512 B page
+            batch_size=1, kv_cache_size=12, num_attention_heads=2, attention_head_dim=4, dtype=torch.float32,
+            device="cpu", global_sink_tokens=3, allow_growth=True,
+        )  # fmt: skip
+    assert (debug_state(shared), shared.num_free_pages) == before
+    lingbot._kv_quant_args = types.SimpleNamespace(enabled=True, **_qargs(bits=2, block_size=64, centroids=4))
     q = lingbot._allocate_causal_kv_cache(
         batch_size=1,
         kv_cache_size=12,
@@ -564,7 +582,7 @@ def test_install_patches_every_binding_and_the_allocation(fake_sglang):
     finally:
         del sys.modules[late.__name__]
     assert mods[integ.KVCACHE_MODULE].CausalSelfAttentionKVCache is _DenseStandIn
-    assert mods[integ.STAGE_MODULE].QVGPackedCausalKVCache is _QVGStandIn
+    assert mods[STAGE_MODULE].QVGPackedCausalKVCache is _QVGStandIn
     assert fake_sglang.stage.__dict__["_allocate_causal_kv_cache"] is fake_sglang.allocate
     assert fake_sglang.stage.__dict__["forward"] is fake_sglang.forward
     assert integ.installed() == []

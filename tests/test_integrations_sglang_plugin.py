@@ -14,6 +14,8 @@ from pagedqvg import BlockPool, IntegrationError, QuantConfig
 from pagedqvg.integrations.sglang import integration as integ
 from pagedqvg.integrations.sglang import plugin
 from pagedqvg.integrations.sglang.plugin import PluginConfigError, settings_from_env
+from pagedqvg.integrations.sglang.runtime import integration
+from pagedqvg.integrations.sglang.versions import CURRENT, targets_for
 
 GiB, MiB = 1 << 30, 1 << 20
 SINK, RECENT = "PAGEDQVG_KV_CACHE_QUANT_SINK", "PAGEDQVG_KV_CACHE_QUANT_RECENT"
@@ -101,7 +103,7 @@ def test_inactive_without_a_budget_or_when_switched_off():
     assert not off.active and "PAGEDQVG=off" in off.reason
 
 
-def test_quant_variables_become_sglang_flag_names():
+def test_quant_variables_are_parsed_once_into_a_quant_config():
     env = {
         "PAGEDQVG_MEMORY_FRACTION": "0.5",
         "PAGEDQVG_KV_CACHE_QUANT": "int2",
@@ -110,8 +112,8 @@ def test_quant_variables_become_sglang_flag_names():
     }
     s = settings_from_env(env)
     assert s.active and s.memory_fraction == 0.5
-    assert s.quant == {"kv_cache_quant": "int2", "kv_cache_quant_centroids": "16", "kv_cache_quant_keep_recent": "0"}
-    assert "kv_cache_quant=int2" in s.describe()
+    assert s.quant == QuantConfig(bits=2, centroids=16, keep_recent_chunks=0)  # typed, parsed at registration
+    assert "quantization: int2 (bits 2, 16 centroids, block 64, keep_recent 0)" in s.describe()
 
 
 @pytest.mark.parametrize(
@@ -125,11 +127,10 @@ def test_quant_variables_become_sglang_flag_names():
     ],
 )
 def test_tier_variables_reach_the_sglang_mapping(base, tiers, expected):
-    """PAGEDQVG_KV_CACHE_QUANT_SINK / _RECENT become SGLang's flag names and, through the integration's mapping, the
-    tier formats of `QuantConfig` (sink_format / recent_format); describe() names the tiers of a tiered setting."""
+    """PAGEDQVG_KV_CACHE_QUANT_SINK / _RECENT become the tier formats of the settings' `QuantConfig` (sink_format /
+    recent_format), unchanged by the integration's mapping; describe() names the tiers of a tiered setting."""
     s = settings_from_env({"PAGEDQVG_BUDGET": "1GiB", "PAGEDQVG_KV_CACHE_QUANT": base, **tiers})
-    names = {SINK: "kv_cache_quant_sink", RECENT: "kv_cache_quant_recent"}
-    assert s.quant == {"kv_cache_quant": base, **{names[k]: v for k, v in tiers.items()}}
+    assert s.quant == expected
     assert integ.quant_config_from_sglang(s.quant, 128) == expected
     tiers_line = ", ".join(f"{t} {expected.tier_format(t)}" for t in ("sink", "recent", "history"))
     assert (f"(tiers: {tiers_line})" in s.describe()) == expected.tiered
@@ -185,17 +186,22 @@ ARGS = dict(batch_size=1, kv_cache_size=16, num_attention_heads=2, attention_hea
 @pytest.fixture
 def configured():
     pool = BlockPool(capacity_bytes=4 * MiB, page_bytes=4096)
-    integ._config.update(pool=pool, memory_fraction=None, budget_bytes=None, quant=None)
+    integration().configure(pool=pool)
     yield integ
-    integ._pools.clear()
-    integ._config.update(pool=None, memory_fraction=None, budget_bytes=None, quant=None)
+    integration().reset()
+
+
+def _override(quant: QuantConfig | None) -> None:
+    """The plugin's PAGEDQVG_KV_CACHE_QUANT* override (parsed) for every stage, the pool kept."""
+    state = integration()
+    state.configure(pool=state.pool_given, quant=quant, quant_override=True)
 
 
 def test_base_hook_builds_paged_caches_and_quant_override(configured):
     original = _Stage._allocate_causal_kv_cache
     caches = integ.allocate_around(original, _Stage(), **ARGS)
     assert [type(c) for c in caches] == [integ.PagedCausalSelfAttentionKVCache] * 2
-    configured._config["quant"] = {"kv_cache_quant": "int2", "kv_cache_quant_centroids": "4"}
+    _override(QuantConfig.from_dict({"kv_cache_quant": "int2", "kv_cache_quant_centroids": "4"}))
     packed = integ.allocate_around(original, _Stage(), **ARGS)
     assert [type(c) for c in packed] == [integ.PagedQVGPackedCausalKVCache] * 2
     assert packed[0]._seq.spec.global_sink_tokens == 2  # SGLang's QVG path refuses a global sink
@@ -206,7 +212,7 @@ def test_tier_variables_reach_the_packed_caches(configured):
     history int2 here; formats per retained token from `memory_breakdown` after three chunks and a fourth written)."""
     env = {"PAGEDQVG_BUDGET": "1GiB", "PAGEDQVG_KV_CACHE_QUANT": "int2", "PAGEDQVG_KV_CACHE_QUANT_CENTROIDS": "4",
            SINK: "int4", RECENT: "int4"}  # fmt: skip
-    configured._config["quant"] = settings_from_env(env).quant
+    _override(settings_from_env(env).quant)
     args = {**ARGS, "kv_cache_size": 24, "global_sink_tokens": 4}
     caches = integ.allocate_around(_Stage._allocate_causal_kv_cache, _Stage(), **args)
     assert [type(c) for c in caches] == [integ.PagedQVGPackedCausalKVCache] * 2
@@ -230,7 +236,7 @@ def test_lingbot_hook_delegates_to_sglang_when_quantization_is_off(configured):
                                         "sink": True, "sink_keep_chunks": 0})()
 
     assert type(integ.lingbot_allocate_around(original, FlagsOn(), **ARGS)[0]) is integ.PagedQVGPackedCausalKVCache
-    configured._config["quant"] = {"kv_cache_quant": "off"}  # the variable wins over the flags
+    _override(settings_from_env({"PAGEDQVG_BUDGET": "1GiB", "PAGEDQVG_KV_CACHE_QUANT": "off"}).quant)  # wins
     assert type(integ.lingbot_allocate_around(original, FlagsOn(), **ARGS)[0]) is integ.PagedCausalSelfAttentionKVCache
 
 
@@ -326,7 +332,7 @@ def test_register_hooks_request_end_and_realtime_release(monkeypatch, caplog):
     for key in [k for k in __import__("os").environ if k.startswith("PAGEDQVG")]:
         monkeypatch.delenv(key)
     monkeypatch.setenv("PAGEDQVG_BUDGET", "64MiB")
-    monkeypatch.setattr(plugin, "_check_sglang_version", lambda: None)
+    monkeypatch.setattr(plugin, "_check_sglang_version", lambda: targets_for(CURRENT))
     name = "sglang.multimodal_gen.runtime.platforms.plugins"
     parts = name.split(".")
     for i in range(1, len(parts) + 1):
@@ -335,8 +341,8 @@ def test_register_hooks_request_end_and_realtime_release(monkeypatch, caplog):
     hook_type = types.SimpleNamespace(AROUND="around", BEFORE="before")
     sys.modules[name].HookType = hook_type
     sys.modules[name].plugin_hook = lambda target, kind: lambda fn: hooks.setdefault(target, (kind, fn))
-    monkeypatch.setattr(sglang_sessions, "request_listeners", [])
-    monkeypatch.setattr(integ, "_cache_listeners", [])
+    monkeypatch.setattr(integration(), "request_listeners", [])
+    monkeypatch.setattr(integration(), "cache_listeners", [])
     try:
         plugin.register()
         for target in plugin.FORWARD_TARGETS:
@@ -348,5 +354,4 @@ def test_register_hooks_request_end_and_realtime_release(monkeypatch, caplog):
             plugin._log_request_end(_Stage(), [pool])
         assert f"_Stage request done; pool cpu: 0 of {pool.num_pages} pages in use; 0 open sessions" in caplog.text
     finally:
-        integ._config.update(pool=None, memory_fraction=None, budget_bytes=None, quant=None)
-        sglang_sessions.forget_managers()
+        integration().reset()

@@ -25,10 +25,11 @@ import types
 import pytest
 import torch
 
-from pagedqvg import BlockPool, CacheClosedError, CacheConfigError, SessionRefusedError
+from pagedqvg import BlockPool, CacheClosedError, CacheConfigError, QuantConfig, SessionRefusedError
 from pagedqvg.allocator.pool import debug_state
 from pagedqvg.integrations.sglang import integration as integ
 from pagedqvg.integrations.sglang import sessions as sess
+from pagedqvg.integrations.sglang.runtime import integration
 
 PAGE = 4096
 BLOCKS, HEADS, HEAD_DIM, PER_FRAME, FRAMES_PER_CHUNK, WINDOW_FRAMES, SINK_FRAMES = 2, 2, 16, 8, 2, 6, 1
@@ -107,11 +108,9 @@ def request(stage, method="forward", **batch):
 @pytest.fixture
 def pool():
     pool = BlockPool(capacity_bytes=400 * PAGE, page_bytes=PAGE)
-    integ._config.update(pool=pool, memory_fraction=None, budget_bytes=None, quant=None)
+    integration().configure(pool=pool)
     yield pool
-    integ._pools.clear()
-    sess.forget_managers()
-    integ._config.update(pool=None, memory_fraction=None, budget_bytes=None, quant=None)
+    integration().reset()
 
 
 def used(pool: BlockPool) -> int:
@@ -122,8 +121,9 @@ def used(pool: BlockPool) -> int:
 @pytest.mark.parametrize("cfg", [False, True], ids=["one_set", "cfg"])
 def test_each_request_ends_with_every_page_back(pool, cfg, quant):
     if quant:
-        integ._config["quant"] = {"kv_cache_quant": "int2", "kv_cache_quant_centroids": "4",
-                                  "kv_cache_quant_block_size": "16", "kv_cache_quant_iters": "1"}  # fmt: skip
+        quant = QuantConfig.from_dict({"kv_cache_quant": "int2", "kv_cache_quant_centroids": "4",
+                                       "kv_cache_quant_block_size": "16", "kv_cache_quant_iters": "1"})  # fmt: skip
+        integration().configure(pool=pool, quant=quant, quant_override=True)
     stage = Stage()
     manager = sess.manager_for(pool)
     peaks = []

@@ -1,5 +1,7 @@
-"""pagedqvg inside SGLang 0.5.23's multimodal_gen: the cache classes SGLang's causal stages allocate, the
-entry-point plugin, attention mode `pages` and per-request sessions. SGLang is imported only when called.
+"""pagedqvg inside SGLang 0.5.23's multimodal_gen: the cache classes SGLang's causal stages allocate (caches.py), their
+allocation (allocation.py), install()/uninstall() (integration.py), the entry-point plugin (plugin.py), attention mode
+`pages` (attention.py), per-request sessions (sessions.py), the hooked SGLang functions per version (versions.py) and
+the process's one integration object (`runtime.integration()`). SGLang is imported only when called.
 """
 
 from pagedqvg.integrations.sglang.integration import (

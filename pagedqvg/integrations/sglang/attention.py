@@ -21,15 +21,16 @@ import torch
 from torch.utils._pytree import tree_map
 
 from pagedqvg.errors import CacheConfigError, IntegrationError
+from pagedqvg.integrations.sglang.runtime import integration
+from pagedqvg.integrations.sglang.versions import CURRENT, targets_for
 
 #: The environment variable the plugin reads (`attention_mode_from_env`).
 ATTENTION_ENV = "PAGEDQVG_ATTENTION"
 #: Valid modes: `view` (SGLang attends over the materialized view; default) and `pages`.
 ATTENTION_MODES = ("view", "pages")
-#: SGLang 0.5.23's module of `LocalAttention` (the attention every causal self-attention calls).
-ATTENTION_LAYER_MODULE = "sglang.multimodal_gen.runtime.layers.attention.layer"
-
-_state: dict[str, str] = {"mode": "view"}
+#: SGLang's `LocalAttention.forward` (the attention every causal self-attention calls): versions.py's table.
+ATTENTION_TARGET = targets_for(CURRENT, "attention")[0]
+ATTENTION_LAYER_MODULE = ATTENTION_TARGET.module
 
 
 def check_attention_mode(mode: object, source: str = "attention") -> str:
@@ -47,13 +48,14 @@ def attention_mode_from_env(environ: Mapping[str, str] | None = None) -> str:
 
 
 def attention_mode() -> str:
-    """The mode in force (`view` until `set_attention_mode` / `install(attention=...)`)."""
-    return _state["mode"]
+    """The mode in force (`view` until `set_attention_mode` / `install(attention=...)`; the integration's)."""
+    return integration().attention_mode
 
 
 def set_attention_mode(mode: str) -> str:
     """Set the mode for every SGLang cache call from now on; returns the previous one."""
-    before, _state["mode"] = _state["mode"], check_attention_mode(mode)
+    integ = integration()
+    before, integ.attention_mode = integ.attention_mode, check_attention_mode(mode)
     return before
 
 
@@ -190,10 +192,10 @@ def patch_attention(patch: Any, done: list[str]) -> None:
         layer = importlib.import_module(ATTENTION_LAYER_MODULE)
     except ImportError as exc:
         raise IntegrationError(f"attention='pages' needs {ATTENTION_LAYER_MODULE} ({exc})") from exc
-    cls = getattr(layer, "LocalAttention", None)
-    if not isinstance(cls, type) or "forward" not in cls.__dict__:
-        raise IntegrationError(f"{ATTENTION_LAYER_MODULE} has no LocalAttention.forward: not SGLang 0.5.23's layout")
-    if getattr(cls.__dict__["forward"], "__pagedqvg_pages__", False):
+    owner, attr = ATTENTION_TARGET.owner, ATTENTION_TARGET.attribute
+    cls = getattr(layer, owner, None)
+    if not isinstance(cls, type) or attr not in cls.__dict__:
+        raise IntegrationError(f"{ATTENTION_LAYER_MODULE} has no {owner}.{attr}: not SGLang {CURRENT}'s layout")
+    if getattr(cls.__dict__[attr], "__pagedqvg_pages__", False):
         return
-    label = f"{ATTENTION_LAYER_MODULE}.LocalAttention.forward"
-    patch(cls, "forward", _pages_forward(cls.__dict__["forward"]), label, done)
+    patch(cls, attr, _pages_forward(cls.__dict__[attr]), ATTENTION_TARGET.path, done)

@@ -39,7 +39,6 @@ from __future__ import annotations
 import logging
 import math
 import os
-import re
 import sys
 from collections.abc import Mapping
 from dataclasses import dataclass, field
@@ -47,6 +46,10 @@ from typing import Any
 
 from pagedqvg.allocator import DEFAULT_PAGE_BYTES
 from pagedqvg.errors import CacheConfigError, IntegrationError
+from pagedqvg.integrations.sglang.versions import CURRENT, patched_targets, targets_for
+from pagedqvg.quant import QuantConfig
+from pagedqvg.sizes import SIZE_FORMS, SizeError
+from pagedqvg.sizes import parse_size as _parse_size
 
 __all__ = [
     "ENV_ATTENTION",
@@ -68,29 +71,15 @@ ENV_QUANT = "PAGEDQVG_KV_CACHE_QUANT"
 ENV_QUANT_SINK = "PAGEDQVG_KV_CACHE_QUANT_SINK"
 ENV_QUANT_RECENT = "PAGEDQVG_KV_CACHE_QUANT_RECENT"
 ENV_ATTENTION = "PAGEDQVG_ATTENTION"
-SGLANG_VERSION = "0.5.23"
-_STAGES = "sglang.multimodal_gen.runtime.pipelines_core.stages"
-HOOK_TARGETS = (
-    f"{_STAGES}.causal_denoising.CausalDMDDenoisingStage._allocate_causal_kv_cache",
-    f"{_STAGES}.model_specific_stages.lingbot_world.lingbot_world_causal_denoising."
-    "LingBotWorldCausalDMDDenoisingStage._allocate_causal_kv_cache",
-)
-#: Request end and realtime release (sglang_sessions): AROUND hooks on the causal stages' forward, a BEFORE hook
-#: on the realtime state's dispose; each allocation's caches are a session closed there.
-FORWARD_TARGETS = (
-    f"{_STAGES}.causal_denoising.CausalDMDDenoisingStage.forward",
-    f"{_STAGES}.model_specific_stages.longlive2.LongLive2CausalDenoisingStage.forward",
-    f"{_STAGES}.model_specific_stages.lingbot_world.lingbot_world_causal_denoising."
-    "LingBotWorldCausalDMDDenoisingStage.forward",
-)
-DISPOSE_TARGET = "sglang.multimodal_gen.runtime.realtime.states.causal.RealtimeCausalDiTState.dispose"
-#: The attention layer every causal self-attention of SGLang 0.5.23 calls with the view's K and V (pages mode).
-ATTENTION_TARGET = "sglang.multimodal_gen.runtime.layers.attention.layer.LocalAttention.forward"
-#: Resolved from its module after hook application in every SGLang worker (worker_bootstrap.py).
-WORKER_TARGET = "sglang.multimodal_gen.runtime.managers.gpu_worker.run_scheduler_process"
-_UNITS = {"": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12}
-_UNITS.update({"kib": 1 << 10, "mib": 1 << 20, "gib": 1 << 30, "tib": 1 << 40})
-_SIZE_FORMS = "bytes (e.g. 25769803776) or a number with a unit B, KB, MB, GB, TB, KiB, MiB, GiB, TiB (e.g. 24GiB)"
+SGLANG_VERSION = CURRENT
+_TABLE = targets_for(CURRENT)
+#: Derived from versions.py's table (each target listed there once): the allocations, the request ends (forward),
+#: the realtime release (dispose), the attention layer (pages mode), the worker entry.
+HOOK_TARGETS = tuple(t.path for t in _TABLE if t.kind in ("allocate", "allocate_lingbot"))
+FORWARD_TARGETS = tuple(t.path for t in _TABLE if t.kind == "forward")
+DISPOSE_TARGET = next(t.path for t in _TABLE if t.kind == "dispose")
+ATTENTION_TARGET = next(t.path for t in _TABLE if t.kind == "attention")
+WORKER_TARGET = next(t.path for t in _TABLE if t.kind == "worker")
 _OFF, _ON = ("off", "0", "false", "no"), ("on", "1", "true", "yes", "")
 _log = logging.getLogger("pagedqvg.sglang")
 
@@ -101,27 +90,29 @@ class PluginConfigError(IntegrationError):
 
 @dataclass(frozen=True)
 class PluginSettings:
-    """The plugin's configuration from the environment. `active` False: `reason` says why and how to enable."""
+    """The plugin's configuration from the environment, parsed once at registration. `active` False: `reason` says
+    why and how to enable. `quant`: the parsed PAGEDQVG_KV_CACHE_QUANT* (`QuantConfig`, tiers included; disabled for
+    `off`), which then overrides every stage's own; None when unset (each stage's own setting)."""
 
     active: bool
     reason: str = ""
     budget_bytes: int | None = None
     memory_fraction: float | None = None
-    quant: dict[str, str] | None = None  # SGLang flag names (kv_cache_quant, kv_cache_quant_centroids, ...)
+    quant: QuantConfig | None = None
     given: dict[str, str] = field(default_factory=dict)
     attention: str = "view"  # PAGEDQVG_ATTENTION: "view" or "pages"
 
     def describe(self) -> str:
         """One line: the budget per rank and the quantization."""
         size = f"budget {self.budget_bytes} bytes" if self.budget_bytes else f"{self.memory_fraction} of free memory"
-        quant = (
-            " ".join(f"{k}={v}" for k, v in self.quant.items()) if self.quant else "each stage's own (dense unless "
-            "LingBot-World's --kv-cache-quant)"
-        )
-        if self.quant:
-            from pagedqvg.quant import QuantConfig
-
-            cfg = QuantConfig.from_dict(self.quant)
+        cfg = self.quant
+        if cfg is None:
+            quant = "each stage's own (dense unless LingBot-World's --kv-cache-quant)"
+        elif not cfg.enabled:
+            quant = f"off ({ENV_QUANT}=off, every stage)"
+        else:
+            quant = f"{cfg.mode} (bits {cfg.bits}, {cfg.centroids} centroids, block {cfg.block_size}, keep_recent "
+            quant += f"{cfg.keep_recent_chunks})"
             if cfg.tiered:
                 quant += " (tiers: " + ", ".join(f"{t} {cfg.tier_format(t)}" for t in ("sink", "recent", "history"))
                 quant += ")"
@@ -131,21 +122,18 @@ class PluginSettings:
 
 
 def parse_size(variable: str, raw: str) -> int:
-    """Bytes of a size string (`24GiB`, `512 MiB`, `1.5GB`, `1048576`); PluginConfigError naming `variable`."""
-    m = re.fullmatch(r"\s*([0-9]+(?:\.[0-9]*)?)\s*([A-Za-z]*)\s*", raw)
-    unit = m.group(2).lower() if m else ""
-    if m is None or unit not in _UNITS:
-        raise PluginConfigError(f"{variable}={raw!r} is not a size; valid: {_SIZE_FORMS}")
-    value = float(m.group(1)) * _UNITS[unit]
-    if not math.isfinite(value) or (value != int(value) and unit in ("", "b")):
-        raise PluginConfigError(f"{variable}={raw!r} is not a whole number of bytes; valid: {_SIZE_FORMS}")
-    size = int(value)
-    if size < DEFAULT_PAGE_BYTES:
-        raise PluginConfigError(
-            f"{variable}={raw!r} is {size} bytes, below one page ({DEFAULT_PAGE_BYTES} bytes = 1MiB); valid: "
-            f"at least 1MiB, as {_SIZE_FORMS}"
-        )
-    return size
+    """Bytes of a size string (`24GiB`, `512 MiB`, `1.5GB`, `2M`, `1048576`), read by `pagedqvg.sizes.parse_size`
+    exactly as the CLI reads it, at least one 1 MiB page; PluginConfigError naming `variable` otherwise."""
+    try:
+        return _parse_size(raw, name=variable, minimum=DEFAULT_PAGE_BYTES)
+    except SizeError as exc:
+        if "out of range" in str(exc):
+            size = _parse_size(raw, name=variable, minimum=-(1 << 128))
+            raise PluginConfigError(
+                f"{variable}={raw!r} is {size} bytes, below one page ({DEFAULT_PAGE_BYTES} bytes = 1MiB); valid: "
+                f"at least 1MiB, as {SIZE_FORMS}"
+            ) from None
+        raise PluginConfigError(str(exc)) from None
 
 
 def parse_fraction(variable: str, raw: str) -> float:
@@ -159,12 +147,11 @@ def parse_fraction(variable: str, raw: str) -> float:
     return value
 
 
-def parse_quant(env: Mapping[str, str]) -> dict[str, str] | None:
-    """The PAGEDQVG_KV_CACHE_QUANT* variables as SGLang flag names (validated by `QuantConfig.from_dict`, each
-    variable alone so the error names it: the base first, the tier variables last, since their checks involve the
-    others); None when none is set."""
-    from pagedqvg.quant import QuantConfig
-
+def parse_quant(env: Mapping[str, str]) -> QuantConfig | None:
+    """The PAGEDQVG_KV_CACHE_QUANT* variables as one `QuantConfig` (tiers included), each variable validated alone
+    by `QuantConfig.from_dict` so the error names it (the base first, the tier variables last, since their checks
+    involve the others); None when none is set. `PAGEDQVG_KV_CACHE_QUANT=off` with any other
+    PAGEDQVG_KV_CACHE_QUANT_* knob is refused (the knob would be ignored), as the CLI refuses it."""
     given = {k: v for k, v in env.items() if k == ENV_QUANT or k.startswith(ENV_QUANT + "_")}
     if not given:
         return None
@@ -175,11 +162,17 @@ def parse_quant(env: Mapping[str, str]) -> dict[str, str] | None:
     for variable in sorted(given, key=lambda k: (k != ENV_QUANT, k in _TIER_FORMS, k)):
         key = variable[len("PAGEDQVG_") :].lower()
         try:
-            QuantConfig.from_dict({**({} if key == "kv_cache_quant" else quant), key: given[variable]})
+            cfg = QuantConfig.from_dict({**({} if key == "kv_cache_quant" else quant), key: given[variable]})
         except ValueError as exc:
             raise PluginConfigError(_quant_error(variable, given, str(exc))) from None
+        if key == "kv_cache_quant" and not cfg.enabled and len(given) > 1:
+            knobs = ", ".join(f"{k}={v!r}" for k, v in sorted(given.items()) if k != ENV_QUANT)
+            raise PluginConfigError(
+                f"{knobs} set with {ENV_QUANT}={given[ENV_QUANT]!r} (quantization off, so they would be ignored); "
+                f"valid: {ENV_QUANT}=int4|int2|compact with them, or unset them"
+            )
         quant[key] = given[variable]
-    return quant
+    return QuantConfig.from_dict(quant)
 
 
 #: The tier variables and their valid forms (PAGEDQVG_KV_CACHE_QUANT_SINK is also SGLang's --kv-cache-quant-sink).
@@ -194,8 +187,6 @@ _TIER_FORMS = {
 def _quant_error(variable: str, given: Mapping[str, str], reason: str) -> str:
     """The message of a PAGEDQVG_KV_CACHE_QUANT* variable `QuantConfig.from_dict` refused: the variable, its value,
     the reason (naming what is allowed); a tier variable's also names the other variables it was checked with."""
-    from pagedqvg.quant import QuantConfig
-
     if variable in _TIER_FORMS:
         others = ", ".join(f"{k}={v!r}" for k, v in sorted(given.items()) if k != variable)
         return f"{variable}={given[variable]!r} (with {others}): {reason}; valid: {_TIER_FORMS[variable]}"
@@ -254,18 +245,19 @@ def parse_attention(env: Mapping[str, str]) -> str:
         raise PluginConfigError(str(exc)) from None
 
 
-def _check_sglang_version() -> None:
+def _check_sglang_version() -> tuple:
+    """The hook table of the installed SGLang (versions.py); PluginConfigError naming the version found and the
+    supported ones otherwise."""
     from importlib.metadata import PackageNotFoundError, version
 
     try:
         found = version("sglang")
     except PackageNotFoundError:
         found = "none installed"
-    if found != SGLANG_VERSION:
-        raise PluginConfigError(
-            f"SGLang {found} found; pagedqvg's plugin patches SGLang {SGLANG_VERSION}'s causal stages "
-            f"(_allocate_causal_kv_cache): pip install sglang=={SGLANG_VERSION}, or set {ENV_SWITCH}=off"
-        )
+    try:
+        return targets_for(found)
+    except IntegrationError as exc:
+        raise PluginConfigError(str(exc)) from None
 
 
 def _say(level: int, message: str) -> None:
@@ -280,20 +272,30 @@ def _say(level: int, message: str) -> None:
     _log.log(level, "%s (pid %d)", message, os.getpid())
 
 
-def _announce_first_caches(stage: Any, caches: list) -> None:
-    """Log the pool and the caches of the first allocation of this process (one line), then stop listening."""
-    from pagedqvg.integrations.sglang import integration as integ
+def _announce_caches(stage: Any, caches: list) -> None:
+    """Log the pool (its page: the planner's for the first allocation's shapes) and the caches of the first
+    allocation of this process (one line), and one line for each later allocation of another shape: the page waste
+    it gets at the shared pool's page. O(devices + shapes)."""
+    from pagedqvg.integrations.sglang.runtime import integration
 
-    integ._cache_listeners.remove(_announce_first_caches)
-    pools = ", ".join(
-        f"{key}: {pool.num_pages * pool.page_bytes} bytes in {pool.num_pages} pages of {pool.page_bytes} bytes"
-        for key, pool in sorted(integ._pools.items())
-    )
-    kinds = sorted({type(c).__name__ for c in caches})
-    _say(
-        logging.INFO,
-        f"pagedqvg: {type(stage).__name__} got {len(caches)} {'/'.join(kinds)} caches; pool {pools}",
-    )
+    integ = integration()
+    with integ.lock:
+        seen = integ.announced
+        fresh = [(key, shape, waste) for key, shapes in sorted(integ.pool_shapes.items())
+                 for shape, waste in shapes.items() if (key, shape) not in seen]  # fmt: skip
+        seen.update((key, shape) for key, shape, _ in fresh)
+        pools = {key: pool for key, pool in integ.pools.items() if key not in seen}
+        seen.update(pools)
+    kinds = "/".join(sorted({type(c).__name__ for c in caches}))
+    for key, pool in sorted(pools.items()):
+        _say(
+            logging.INFO,
+            f"pagedqvg: {type(stage).__name__} got {len(caches)} {kinds} caches; pool {key}: "
+            f"{pool.num_pages * pool.page_bytes} bytes in {pool.num_pages} pages of {pool.page_bytes} bytes",
+        )
+    for key, shape, waste in fresh:
+        _say(logging.INFO, f"pagedqvg: pool {key} ({integ.pools[key].page_bytes} B pages): caches of "
+             f"{shape.describe()} waste {waste:.2%} of their pages")  # fmt: skip
 
 
 def _require_hooks_applied(*args: Any, **kwargs: Any) -> None:
@@ -301,7 +303,12 @@ def _require_hooks_applied(*args: Any, **kwargs: Any) -> None:
     whose allocation hooks did not apply would run on SGLang's dense caches, so it stops instead."""
     from sglang.multimodal_gen.runtime.platforms.plugins import HookRegistry
 
-    missing = [t for t in _hook_targets() if t not in HookRegistry._patched]
+    try:
+        applied = patched_targets(HookRegistry)
+    except IntegrationError as exc:
+        _say(logging.ERROR, f"pagedqvg: {exc}")
+        raise SystemExit(f"pagedqvg: {exc}") from None
+    missing = [t for t in _hook_targets() if t not in applied]
     if missing:
         message = f"pagedqvg: SGLang could not apply the hooks on {missing} (see its log); set {ENV_SWITCH}=off to run"
         _say(logging.ERROR, message + " without pagedqvg")
@@ -309,23 +316,27 @@ def _require_hooks_applied(*args: Any, **kwargs: Any) -> None:
 
 
 def _hook_targets() -> tuple[str, ...]:
-    """The targets this process's hooks must have patched: the allocations, and the attention layer in pages mode."""
+    """The targets this process's hooks must have patched: the allocations, the request ends, the realtime release,
+    and the attention layer in pages mode."""
     from pagedqvg.integrations.sglang.attention import attention_mode
 
     pages = (ATTENTION_TARGET,) if attention_mode() == "pages" else ()
     return HOOK_TARGETS + FORWARD_TARGETS + (DISPOSE_TARGET,) + pages
 
 
-def _register_session_hooks(plugin_hook: Any, hook_type: Any) -> None:
-    """The request-end and realtime-release hooks of sglang_sessions, and a log line of the pool after each
-    request."""
-    from pagedqvg.integrations.sglang import sessions
+def _hooks() -> dict[str, tuple[Any, str]]:
+    """Each kind of versions.py's table the plugin hooks: (the hook, SGLang's HookType name)."""
+    from pagedqvg.integrations.sglang import allocation, sessions
+    from pagedqvg.integrations.sglang.attention import pages_attention_around
 
-    for target in FORWARD_TARGETS:
-        plugin_hook(target, hook_type.AROUND)(sessions.forward_around)
-    plugin_hook(DISPOSE_TARGET, hook_type.BEFORE)(sessions.dispose_before)
-    if _log_request_end not in sessions.request_listeners:
-        sessions.request_listeners.append(_log_request_end)
+    return {
+        "allocate": (allocation.allocate_around, "AROUND"),
+        "allocate_lingbot": (allocation.lingbot_allocate_around, "AROUND"),
+        "forward": (sessions.forward_around, "AROUND"),
+        "dispose": (sessions.dispose_before, "BEFORE"),
+        "attention": (pages_attention_around, "AROUND"),
+        "worker": (_require_hooks_applied, "BEFORE"),
+    }
 
 
 def _log_request_end(stage: Any, pools: list) -> None:
@@ -338,12 +349,12 @@ def _log_request_end(stage: Any, pools: list) -> None:
 
 
 def register() -> None:
-    """The entry point SGLang's `load_plugins()` calls once per process: read the variables, register the hooks,
-    log one line. A bad value or another SGLang version raises SystemExit with the message (see module doc)."""
+    """The entry point SGLang's `load_plugins()` calls once per process: read the variables (once, into
+    `PluginSettings`), register the hooks of versions.py's table for the installed SGLang, log one line. A bad value
+    or another SGLang version raises SystemExit with the message (see module doc)."""
     try:
         settings = settings_from_env()
-        if settings.active:
-            _check_sglang_version()
+        table = _check_sglang_version() if settings.active else ()
     except PluginConfigError as exc:
         _say(logging.ERROR, f"pagedqvg: {exc}")
         raise SystemExit(f"pagedqvg: {exc}") from None
@@ -353,20 +364,25 @@ def register() -> None:
     from sglang.multimodal_gen.runtime.platforms.plugins import HookType, plugin_hook
 
     from pagedqvg.integrations.sglang import integration as integ
+    from pagedqvg.integrations.sglang.attention import set_attention_mode
+    from pagedqvg.integrations.sglang.runtime import integration
 
     integ.configure(
-        budget_bytes=settings.budget_bytes, memory_fraction=settings.memory_fraction, quant=settings.quant
+        budget_bytes=settings.budget_bytes,
+        memory_fraction=settings.memory_fraction,
+        quant=settings.quant,
+        quant_override=settings.quant is not None,
     )
-    plugin_hook(HOOK_TARGETS[0], HookType.AROUND)(integ.allocate_around)
-    plugin_hook(HOOK_TARGETS[1], HookType.AROUND)(integ.lingbot_allocate_around)
-    if settings.attention == "pages":
-        from pagedqvg.integrations.sglang.attention import pages_attention_around, set_attention_mode
-
-        set_attention_mode("pages")
-        plugin_hook(ATTENTION_TARGET, HookType.AROUND)(pages_attention_around)
-    _register_session_hooks(plugin_hook, HookType)
-    plugin_hook(WORKER_TARGET, HookType.BEFORE)(_require_hooks_applied)
-    if _announce_first_caches not in integ._cache_listeners:
-        integ._cache_listeners.append(_announce_first_caches)
+    set_attention_mode(settings.attention)
+    hooks = _hooks()
+    for target in table:
+        if target.kind in hooks and (target.kind != "attention" or settings.attention == "pages"):
+            hook, kind = hooks[target.kind]
+            plugin_hook(target.path, getattr(HookType, kind))(hook)
+    state = integration()
+    if _log_request_end not in state.request_listeners:
+        state.request_listeners.append(_log_request_end)
+    if _announce_caches not in state.cache_listeners:
+        state.cache_listeners.append(_announce_caches)
     targets = ", ".join(t.rsplit(".", 2)[-2] + "." + t.rsplit(".", 1)[-1] for t in _hook_targets())
     _say(logging.INFO, f"pagedqvg: active: {settings.describe()}; AROUND hooks on {targets}")

@@ -28,31 +28,25 @@ Complexity: admit O(planner replay of one layer, cached per shape) + O(open sess
 
 from __future__ import annotations
 
-import threading
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from contextlib import contextmanager
 from typing import Any
 
 from pagedqvg.allocator import BlockPool
 from pagedqvg.errors import CacheConfigError, SessionRefusedError
+from pagedqvg.integrations.sglang.runtime import integration
 from pagedqvg.serving.sessions import Session, SessionManager, SessionSpec
 
 __all__ = [
     "SessionCaches",
     "admit",
+    "chunk_tokens",
     "dispose_before",
     "forward_around",
     "manager_for",
     "pages_in_use",
     "request_scope",
 ]
-
-_lock = threading.RLock()
-_managers: dict[int, SessionManager] = {}  # id(pool) -> its manager (the pool is kept alive by the manager)
-_scopes = threading.local()  # .stack: the open request scopes of this thread (outermost first)
-#: Called as listener(stage, pools) after every request end (the plugin logs pages in use).
-request_listeners: list[Callable[[Any, list[BlockPool]], None]] = []
-
 
 class SessionCaches(list):
     """The caches of one allocation (one per transformer block), as SGLang gets them: a `list`, holding the
@@ -66,21 +60,18 @@ class SessionCaches(list):
 
 
 def manager_for(pool: BlockPool) -> SessionManager:
-    """The one `SessionManager` of `pool` (made at its first session). O(1)."""
-    with _lock:
-        manager = _managers.get(id(pool))
-        if manager is None or manager.pool is not pool:
-            manager = _managers[id(pool)] = SessionManager(pool)
-        return manager
+    """The one `SessionManager` of `pool` (made at its first session; `SGLangIntegration.manager_for`). O(1)."""
+    return integration().manager_for(pool)
 
 
 def forget_managers() -> None:
     """Drop the managers (`uninstall()`): sessions already open stay open; their caches keep working."""
-    with _lock:
-        _managers.clear()
+    integ = integration()
+    with integ.lock:
+        integ.managers.clear()
 
 
-def _chunk_tokens(stage: Any, window: int) -> int:
+def chunk_tokens(stage: Any, window: int) -> int:
     """Tokens per chunk of `stage` (`num_frames_per_block x num_token_per_frame`), else `window` (the largest)."""
     frames, per_frame = getattr(stage, "num_frames_per_block", None), getattr(stage, "num_token_per_frame", None)
     if all(isinstance(x, int) and not isinstance(x, bool) and x > 0 for x in (frames, per_frame)):
@@ -101,7 +92,7 @@ def session_spec(stage: Any, caches: list, *, allow_growth: bool) -> SessionSpec
         cache_size=first.cache_size,
         num_heads=first.num_cache_heads,
         head_dim=first.head_dim,
-        chunk_tokens=_chunk_tokens(stage, first.cache_size - sink),
+        chunk_tokens=chunk_tokens(stage, first.cache_size - sink),
         dtype=first.dtype,
         sink_tokens=first.sink_tokens,
         global_sink_tokens=first.global_sink_tokens,
@@ -135,7 +126,7 @@ def admit(stage: Any, caches: list, *, allow_growth: bool = False) -> SessionCac
             cache.close()
         raise _refusal(stage, caches, spec, exc) from None
     out = SessionCaches(caches, session)
-    stack = getattr(_scopes, "stack", None)
+    stack = getattr(integration().scopes, "stack", None)
     if stack:
         stack[0].append(out)
     return out
@@ -183,11 +174,12 @@ def end_request(stage: Any, batch: Any, allocated: list[SessionCaches]) -> None:
                 setattr(stage, kv_attr, None)
                 if hasattr(stage, cross_attr):
                     setattr(stage, cross_attr, None)
-    with _lock:
-        managers = list(_managers.values())
+    integ = integration()
+    with integ.lock:
+        managers = list(integ.managers.values())
     for manager in managers:
         manager.reclaim()
-    for listener in list(request_listeners):
+    for listener in list(integ.request_listeners):
         listener(stage, [m.pool for m in managers])
 
 
@@ -195,9 +187,10 @@ def end_request(stage: Any, batch: Any, allocated: list[SessionCaches]) -> None:
 def request_scope(stage: Any, batch: Any = None) -> Iterator[list[SessionCaches]]:
     """One request: the sessions allocated inside (on this thread) end with the outermost scope, returned or
     raised (see the module doc). Nested scopes (a forward calling another) join the outermost."""
-    stack = getattr(_scopes, "stack", None)
+    scopes = integration().scopes
+    stack = getattr(scopes, "stack", None)
     if stack is None:
-        stack = _scopes.stack = []
+        stack = scopes.stack = []
     outermost = not stack
     allocated: list[SessionCaches] = stack[0] if stack else []
     stack.append(allocated)
