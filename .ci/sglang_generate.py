@@ -42,8 +42,8 @@ def main(model_dir: str, out: str) -> None:
     samples = result.samples if not isinstance(result, list) else result[0].samples
     samples = torch.as_tensor(samples)  # the decoded frames SGLang returns: uint8 [frames, height, width, 3]
     torch.save(samples, out)
-    integ = sys.modules.get("pagedqvg.integrations.sglang.integration")
-    pools = list(integ._pools.values()) if integ is not None else []
+    runtime = sys.modules.get("pagedqvg.integrations.sglang.runtime")
+    pools = list(runtime.integration().pools.values()) if runtime is not None else []
     report = {
         "launcher": {"pools": len(pools), "caches": sum(p._owner_serial for p in pools)},
         "samples_shape": list(samples.shape),

@@ -32,9 +32,9 @@ def pytest_report_header(config):
 
 
 def _paged_caches_built() -> int:
-    from pagedqvg.integrations.sglang import integration as pagedqvg_sglang
+    from pagedqvg.integrations.sglang.runtime import integration
 
-    return sum(pool._owner_serial for pool in pagedqvg_sglang._pools.values())
+    return sum(pool._owner_serial for pool in integration().pools.values())
 
 
 def pytest_sessionfinish(session, exitstatus):

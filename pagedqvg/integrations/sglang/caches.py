@@ -527,3 +527,10 @@ class PagedQVGPackedCausalKVCache(_SGLangSurface):
         super().reset_indices()
         self.global_end_index.zero_()
         self.local_end_index.zero_()
+
+
+# The public module users import them from (integration.py re-exports them; repr, pickling and the checks of
+# tests/sglang_*.py and benchmarks name it).
+PagedCausalSelfAttentionKVCache.__module__ = PagedQVGPackedCausalKVCache.__module__ = (
+    "pagedqvg.integrations.sglang.integration"
+)
