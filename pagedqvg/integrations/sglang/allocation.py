@@ -20,6 +20,7 @@ from pagedqvg.integrations.sglang.caches import (
     quant_config_from_sglang,
 )
 from pagedqvg.integrations.sglang.runtime import PoolShape, integration
+from pagedqvg.integrations.sglang.versions import stage_quant_args
 from pagedqvg.quant import QuantConfig
 from pagedqvg.validation import check_int
 
@@ -144,7 +145,7 @@ def stage_quant(stage: Any, head_dim: int) -> QuantConfig | None:
     if integ.quant_override:
         quant: Any = integ.quant
     else:
-        quant = getattr(stage, "_kv_quant_args", None)
+        quant = stage_quant_args(stage)
     if quant is None or not bool(getattr(quant, "enabled", False)):
         return None
     return quant_config_from_sglang(quant, head_dim)
@@ -228,7 +229,7 @@ def lingbot_allocate_around(original: Any, stage: Any, /, **kwargs: Any) -> list
     base stage's (hooked: paged) allocation, so the result is the same."""
     check_allocate_signature(original)
     head_dim = kwargs.get("attention_head_dim")
-    if stage_quant(stage, head_dim) is not None or getattr(getattr(stage, "_kv_quant_args", None), "enabled", False):
+    if stage_quant(stage, head_dim) is not None or getattr(stage_quant_args(stage), "enabled", False):
         return build_paged_caches(stage, **kwargs)
     return original(stage, **kwargs)
 

@@ -35,6 +35,7 @@ from typing import Any
 from pagedqvg.allocator import BlockPool
 from pagedqvg.errors import CacheConfigError, SessionRefusedError
 from pagedqvg.integrations.sglang.runtime import integration
+from pagedqvg.integrations.sglang.versions import realtime_states
 from pagedqvg.serving.sessions import Session, SessionManager, SessionSpec
 
 __all__ = [
@@ -151,10 +152,7 @@ def _refusal(stage: Any, caches: list, spec: SessionSpec | None, exc: SessionRef
 
 def _realtime_lists(batch: Any) -> list[int]:
     """ids of the cache lists the request's realtime session (SGLang's `RealtimeSession`) keeps across calls."""
-    session = getattr(batch, "session", None)
-    states = getattr(session, "_states", None)
-    if not isinstance(states, dict):
-        return []
+    states = realtime_states(getattr(batch, "session", None))
     return [id(getattr(state, "kv_cache", None)) for state in states.values()]
 
 

@@ -19,7 +19,7 @@ from dataclasses import dataclass
 
 from pagedqvg.errors import IntegrationError
 
-__all__ = ["SUPPORTED", "Target", "patched_targets", "targets_for"]
+__all__ = ["SUPPORTED", "Target", "patched_targets", "realtime_states", "stage_quant_args", "targets_for"]
 
 _RT = "sglang.multimodal_gen.runtime"
 _STAGES = f"{_RT}.pipelines_core.stages"
@@ -100,11 +100,43 @@ def targets_for(version: str, *kinds: str) -> tuple[Target, ...]:
     return tuple(t for t in table if not kinds or t.kind in kinds)
 
 
+# ---------------------------------------------------------------- adapters: the only reads of SGLang private attributes
+# SGLang offers no public way to ask these; each adapter checks the shape it assumes and fails loudly otherwise
+# (tests/test_integrations_sglang_versions.py checks each against SGLang's source when PAGEDQVG_SGLANG_SRC is set).
+
+
+def stage_quant_args(stage: object) -> object | None:
+    """LingBot-World's `--kv-cache-quant*` of a stage (`stage._kv_quant_args`, SGLang's `QVGKVQuantArgs`, with an
+    `enabled` field), None for a stage without it. IntegrationError when it is there without `enabled`."""
+    args = getattr(stage, "_kv_quant_args", None)
+    if args is not None and not hasattr(args, "enabled"):
+        raise IntegrationError(
+            f"{type(stage).__name__}._kv_quant_args is {type(args).__name__} without `enabled`, not SGLang {CURRENT}'s "
+            f"QVGKVQuantArgs; install sglang=={CURRENT} or set PAGEDQVG=off"
+        )
+    return args
+
+
+def realtime_states(session: object) -> dict:
+    """The states SGLang's `RealtimeSession` keeps across chunk calls (`session._states`, a dict of state objects,
+    each with its `kv_cache`); {} for no session (a request that is not realtime). IntegrationError when a session
+    is there without that dict."""
+    if session is None:
+        return {}
+    states = getattr(session, "_states", None)
+    if not isinstance(states, dict):
+        raise IntegrationError(
+            f"{type(session).__name__}._states is {type(states).__name__}, not the dict of realtime states of SGLang "
+            f"{CURRENT}'s RealtimeSession: pagedqvg cannot tell which caches a realtime session keeps; install "
+            f"sglang=={CURRENT} or set PAGEDQVG=off"
+        )
+    return states
+
+
 def patched_targets(registry: type) -> set[str]:
-    """The hook targets SGLang's `HookRegistry` applied: the one place pagedqvg reads an SGLang private attribute
-    (`HookRegistry._patched`, a set of `module.qualname` strings in SGLang 0.5.23; SGLang has no public way to ask).
-    IntegrationError when it is not that shape any more (tests/test_integrations_sglang_plugin.py checks it against
-    SGLang's source when PAGEDQVG_SGLANG_SRC is set)."""
+    """The hook targets SGLang's `HookRegistry` applied (`HookRegistry._patched`, a set of `module.qualname` strings
+    in SGLang 0.5.23).
+    IntegrationError when it is not that shape any more."""
     patched = getattr(registry, "_patched", None)
     if not isinstance(patched, (set, frozenset)) or not all(isinstance(t, str) for t in patched):
         raise IntegrationError(
