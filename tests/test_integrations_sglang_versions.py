@@ -179,3 +179,21 @@ def test_quantization_off_alone_overrides_every_stage_as_a_parsed_config():
     s = settings_from_env({"PAGEDQVG_BUDGET": "1GiB", "PAGEDQVG_KV_CACHE_QUANT": "off"})
     assert isinstance(s.quant, QuantConfig) and not s.quant.enabled and "quantization: off" in s.describe()
     assert settings_from_env({"PAGEDQVG_BUDGET": "1GiB"}).quant is None  # unset: each stage's own
+
+
+@needs_src
+def test_every_target_of_the_table_exists_in_sglang_source():
+    """Each module of the table is a file (or package) of SGLang's source, and each class / method / function it
+    names is defined there (parsed, not imported)."""
+    for t in TABLE:
+        rel = Path(SRC, *t.module.split("."))
+        path = rel.with_suffix(".py") if rel.with_suffix(".py").is_file() else rel / "__init__.py"
+        assert path.is_file(), t.path
+        if not t.qualname:
+            continue
+        tree = ast.parse(path.read_text())
+        scope = tree.body
+        for part in t.qualname.split("."):
+            node = next((n for n in scope if getattr(n, "name", None) == part), None)
+            assert node is not None, f"{t.path}: {part} not defined in {path}"
+            scope = getattr(node, "body", [])
