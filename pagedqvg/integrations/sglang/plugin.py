@@ -7,7 +7,8 @@ launching script does not reach them. SGLang's own convention does: entry points
 so installing pagedqvg into SGLang's environment is the whole installation.
 
 Configuration (environment variables, inherited by spawned workers):
-    PAGEDQVG_BUDGET            the pool of each rank: bytes (`25769803776`) or a size (`24GiB`, `512MiB`, `1.5GB`)
+    PAGEDQVG_BUDGET            the pool of each rank: bytes (`25769803776`) or a size (`24GiB`, `512MiB`, `1.5GB`,
+                               `2M`), read by `pagedqvg.sizes.parse_size` as the CLI reads it; at least 1MiB
     PAGEDQVG_MEMORY_FRACTION   instead: a fraction in (0, 1] of the device's free memory at the worker's first cache
     PAGEDQVG_KV_CACHE_QUANT    off | int4 | int2 | compact: quantize every causal stage's caches (overrides
                                SGLang's --kv-cache-quant* for LingBot-World); unset: each stage's own setting
@@ -21,17 +22,21 @@ Configuration (environment variables, inherited by spawned workers):
     PAGEDQVG_ATTENTION         view (default) | pages: SGLang's causal self-attention computes attention straight
                                from the pool's pages (`update_and_attend`) instead of over a materialized view
     PAGEDQVG=off               disable (the plugin registers nothing)
+The variables are parsed once, at registration, into `PluginSettings` (the quantization a `QuantConfig`, tiers
+included), which configures the process's one integration object (`runtime.integration()`). Any
+PAGEDQVG_KV_CACHE_QUANT_* knob with PAGEDQVG_KV_CACHE_QUANT=off is refused (it would be ignored).
 pagedqvg is active only with a budget variable (a pool sized without the user's say could take memory SGLang's
 activations need); without one each process logs how to turn it on. Any bad value stops the process with
 `SystemExit` naming the variable, the value and the valid forms (SGLang logs and ignores a plugin's `Exception`,
 which would fall back silently to SGLang's caches; `SystemExit` is not an `Exception`).
 
-Registration only (as `load_plugins()` documents): `register()` parses the variables and registers AROUND hooks
-with SGLang's `plugin_hook` on the stages' `_allocate_causal_kv_cache` and `forward` (each allocation's caches one
-session of the pool, closed when the request's forward returns or raises: sglang_sessions.py) and a BEFORE hook on the
-realtime state's `dispose`; SGLang's `apply_plugin_hooks()` applies them (and re-points every module bound to the
-originals). The pool is built on each worker's device at its first
-cache, so every rank of a multi-GPU run has its own pool of the given budget.
+Registration only (as `load_plugins()` documents): `register()` parses the variables and registers, with SGLang's
+`plugin_hook`, the hooks of versions.py's table for the installed SGLang: AROUND on the stages'
+`_allocate_causal_kv_cache` and `forward` (each allocation's caches one session of the pool, closed when the
+request's forward returns or raises: sessions.py), BEFORE on the realtime state's `dispose` and the worker's entry;
+SGLang's `apply_plugin_hooks()` applies them (and re-points every module bound to the originals). The pool is built
+on each worker's device at its first stage allocation, paged as `pagedqvg plan` pages that allocation's shapes, so
+every rank of a multi-GPU run has its own pool of the given budget and the plan's figures hold there.
 """
 
 from __future__ import annotations
