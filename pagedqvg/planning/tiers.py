@@ -17,7 +17,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-from pagedqvg.layout.segments import PackedSegmentLayout
+from pagedqvg.layout.segments import Fp8SegmentLayout, PackedSegmentLayout
 from pagedqvg.quant import PackedFormat
 from pagedqvg.quant.fp8 import Fp8Format
 from pagedqvg.validation import DTYPES_BY_NAME
@@ -95,29 +95,6 @@ def tier_summary(geom: Geometry) -> str:
             label = "+".join(f"{dense_label(geom, f)} x{counts[role].count(f)}" for f in fmts)
             parts.append(f"{role} {label} {total[role] * geom.caches / 2**30:.2f} GiB")
     return ", ".join(parts) + f"; total {sum(total.values()) * geom.caches / 2**30:.2f} GiB"
-
-
-class Fp8SegmentLayout:
-    """Pages of an fp8-tier segment: `2 * B` rows of `Fp8Format.token_row_bytes` per token, whole tokens per page
-    (K and V of every batch element side by side, as dense and packed token rows are), no codebooks."""
-
-    def __init__(self, batch_size: int, token_row_bytes: int, page_bytes: int) -> None:
-        self.batch_size = batch_size
-        self.token_row_bytes = token_row_bytes
-        self.tokens_per_page = (page_bytes // token_row_bytes) // (2 * batch_size)
-        if self.tokens_per_page < 1:
-            raise ValueError(
-                f"an fp8-tier token ({2 * batch_size} rows of {token_row_bytes} B) does not fit a page of "
-                f"{page_bytes} B; use a larger --page-bytes or another tier format"
-            )
-
-    def pages_for_tokens(self, tokens: int) -> int:
-        """Pages of a segment of `tokens` tokens. O(1)."""
-        return -(-tokens // self.tokens_per_page)
-
-    def used_bytes_for_tokens(self, tokens: int) -> int:
-        """Bytes the rows really occupy (without page rounding)."""
-        return 2 * self.batch_size * tokens * self.token_row_bytes
 
 
 def tier_layouts(geom: Geometry) -> dict[str, object]:

@@ -19,7 +19,7 @@ import torch
 from pagedqvg.allocator import BlockPool
 from pagedqvg.kernels.rows import int64_on
 from pagedqvg.kernels.view.dequant import piece_table, piece_tokens
-from pagedqvg.planning.tiers import Fp8SegmentLayout
+from pagedqvg.layout.segments import Fp8SegmentLayout
 from pagedqvg.quant import QuantConfig
 from pagedqvg.quant.config import TIERS
 from pagedqvg.quant.fp8 import Fp8Format
