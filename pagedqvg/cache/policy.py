@@ -90,6 +90,7 @@ def tier_targets(
         if entry.start not in sinks:
             recent.add(entry.start)
     kept_sinks = set(sorted(start for start in sinks if start != current_start)[: cfg.sink_keep_chunks])
+    want = {tier: format_rank(cfg.tier_format(tier)) for tier in ("sink", "recent", "history")}
     others: list[tuple[RangeEntry[S], str]] = []
     sink_targets: list[tuple[RangeEntry[S], str]] = []
     for entry in candidates:
@@ -99,7 +100,7 @@ def tier_targets(
             continue
         is_sink = entry.start in sinks
         tier = "sink" if is_sink else ("recent" if entry.start in recent else "history")
-        if format_rank(cfg.tier_format(tier)) < format_rank(segment_format(entry.value, cfg)):
+        if want[tier] < format_rank(segment_format(entry.value, cfg)):
             (sink_targets if is_sink else others).append((entry, tier))
     return others + sink_targets
 
