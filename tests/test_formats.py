@@ -100,6 +100,8 @@ def test_the_registry_names_every_format_once_in_rank_order() -> None:
         "int2": PackedSegmentLayout, "compact": PackedSegmentLayout,
     }  # fmt: skip
     assert [f.name for f in FORMATS if f.kernels == ("torch reference",)] == ["fp8"]  # no Triton kernel for fp8
+    assert {f.name: f.channel_block for f in FORMATS} == {"bf16": 0, "fp8": 32, "int4": 0, "int2": 0, "compact": 0}
+    assert Fp8Format(64, 1).num_blocks == 64 // get_format("fp8").channel_block
 
 
 @pytest.mark.parametrize("name", TIER_FORMAT_NAMES)

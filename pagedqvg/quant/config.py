@@ -16,7 +16,8 @@ from collections.abc import Mapping
 from dataclasses import dataclass, fields
 from typing import Any
 
-from pagedqvg.quant.formats import FORMATS, FP8_BLOCK, TIER_FORMAT_NAMES, format_rank, get_format
+from pagedqvg.quant.formats import FORMATS, TIER_FORMAT_NAMES, format_rank, get_format
+from pagedqvg.quant.formats import FP8_BLOCK as FP8_BLOCK  # re-exported: the fp8 format's block (tests, fp8 docs)
 from pagedqvg.validation import check_int
 
 #: Allowed values of `QuantConfig.bits` (None = quantization off: a dense cache).
@@ -194,10 +195,12 @@ class QuantConfig:
                 q = self.tier_quant(tier)
                 if q is not None and q is not self:
                     _validate_tier_head_dim(tier, q, head_dim)
-                if self.tier_format(tier) == "fp8" and head_dim % FP8_BLOCK:
+                fmt = get_format(self.tier_format(tier))
+                if fmt.channel_block and head_dim % fmt.channel_block:
                     raise ValueError(
-                        f"the {tier} tier's format 'fp8' scales blocks of {FP8_BLOCK} channels, which do not divide "
-                        f"head_dim={head_dim}; allowed: head_dim a multiple of {FP8_BLOCK}, or another format"
+                        f"the {tier} tier's format {fmt.name!r} scales blocks of {fmt.channel_block} channels, which "
+                        f"do not divide head_dim={head_dim}; allowed: head_dim a multiple of {fmt.channel_block}, or "
+                        "another format"
                     )
             if head_dim % self.block_size:
                 divisors = [d for d in range(1, head_dim + 1) if head_dim % d == 0]

@@ -66,6 +66,8 @@ class TierFormat:
         bits: code width of the PRQ format's final residual (None for dense and fp8).
         quant_fixed: `(field, value)` pairs of `QuantConfig` that define a PRQ format (empty otherwise).
         quant_inherits: `QuantConfig` fields a derived tier config copies from the cache's config.
+        channel_block: channels sharing one scale fixed by the format itself (fp8: `FP8_BLOCK`; head_dim must be a
+            multiple), 0 when the format has none of its own (a PRQ block is `QuantConfig.block_size`).
     """
 
     name: str
@@ -78,6 +80,7 @@ class TierFormat:
     bits: int | None = None
     quant_fixed: tuple[tuple[str, Any], ...] = ()
     quant_inherits: tuple[str, ...] = ()
+    channel_block: int = 0
 
     @property
     def packed(self) -> bool:
@@ -95,7 +98,7 @@ _PRQ_KERNELS = ("view_runs (Triton)", "packed_dequant (Triton)", "torch referenc
 #: Every format, finest first.
 FORMATS: tuple[TierFormat, ...] = (
     TierFormat("bf16", 4, "dense", DenseTokenLayout, "", ("view_runs (Triton)", "torch reference"), False),
-    TierFormat("fp8", 3, "fp8", Fp8SegmentLayout, "Fp8Store", ("torch reference",), False),
+    TierFormat("fp8", 3, "fp8", Fp8SegmentLayout, "Fp8Store", ("torch reference",), False, channel_block=FP8_BLOCK),
     TierFormat("int4", 2, "prq", PackedSegmentLayout, "PackedStore", _PRQ_KERNELS, True, 4, (("bits", 4),), _PRQ_KNOBS),
     TierFormat("int2", 1, "prq", PackedSegmentLayout, "PackedStore", _PRQ_KERNELS, True, 2, (("bits", 2),), _PRQ_KNOBS),
     TierFormat(
