@@ -67,6 +67,7 @@ from pagedqvg.planning.tiers import tier_layouts
 from pagedqvg.quant.config import TIERS, QuantConfig
 from pagedqvg.quant.format import PackedFormat
 from pagedqvg.quant.formats import format_rank
+from pagedqvg.quant.layouts import tier_layout
 from pagedqvg.store.segment import SegmentKind
 from pagedqvg.validation import PAGE_ALIGN_BYTES, check_int, nearest_page_bytes, page_bytes_at_least
 
@@ -222,9 +223,15 @@ class Geometry:
         return PackedFormat(self.head_dim, self.heads, self.quant, self.dtype)
 
     def packed_layout(self) -> PackedSegmentLayout | None:
-        """Layout of packed segments, or None when quantization is off."""
-        fmt = self.packed_format()
-        return None if fmt is None else PackedSegmentLayout.from_format(self.batch_size, fmt, self.page_bytes)
+        """Layout of the history format's packed segments (the registry's, `quant/layouts.py`), or None when
+        quantization is off."""
+        if not self.quant.enabled:
+            return None
+        layout = tier_layout(
+            self.quant, "history", self.batch_size, self.heads, self.head_dim, self.dtype, self.page_bytes
+        )
+        assert isinstance(layout, PackedSegmentLayout)  # the history's format is a PRQ one
+        return layout
 
     def dense_cache_bytes(self) -> int:
         """Bytes of the dense reference cache's K and V buffers for one layer: `2 * B * C * H * D * itemsize`."""
