@@ -1,7 +1,7 @@
-"""Formats by age in the accounting (pagedqvg/planning/tiers.py, policy.tier_targets, the planner's CountingLayer): the
-tier
-policy selects what `pack_targets` selects for untiered configs, tiered replays reach the closed-form bytes per
-tier, chunks only ever move to coarser formats, and `plan` reports the tiers."""
+"""Formats by age in the accounting (pagedqvg/planning/tiers.py, policy.tier_targets, the planner's CountingLayer):
+one policy path with or without tiers (the planner's candidate set, segments not yet in the tiers' coarsest format,
+selects what the cache's scan of every segment selects), tiered replays reach the closed-form bytes per tier, chunks
+only ever move to coarser formats, and `plan` reports the tiers."""
 
 from __future__ import annotations
 
@@ -10,6 +10,7 @@ import json
 
 import pytest
 
+from pagedqvg.cache.policy import layer_tier_targets
 from pagedqvg.cli.app import main
 from pagedqvg.planning.planner import CountingLayer, Geometry, PageCounter, is_scene_cut, plan_geometry
 from pagedqvg.planning.presets import Workload, get_preset
@@ -27,12 +28,19 @@ def tiny(**kw) -> Workload:
     return Workload(**base)
 
 
-def replay(geom: Geometry, chunks: int, tiers: bool | None = None) -> list[tuple[int, int, int]]:
-    """(pages after, high water, used bytes) per chunk; `tiers=True` forces the tier policy on any config."""
+class ScanningLayer(CountingLayer):
+    """The accounting with the cache's candidate set (`policy.layer_tier_targets`: every segment) instead of the
+    planner's (segments not yet in the tiers' coarsest format)."""
+
+    def _apply_pack_policy(self, keep_start: int, keep_end: int) -> None:
+        for entry, tier in layer_tier_targets(self.geom.quant, self.seq, (keep_start, keep_end)):
+            self._pack_tier(entry, self.geom.quant.tier_format(tier))
+
+
+def replay(geom: Geometry, chunks: int, scan: bool = False) -> list[tuple[int, int, int]]:
+    """(pages after, high water, used bytes) per chunk; `scan=True` takes the cache's candidate set."""
     counter = PageCounter()
-    layer = CountingLayer(geom, counter)
-    if tiers:
-        layer.tiers = tier_layouts(geom)
+    layer = (ScanningLayer if scan else CountingLayer)(geom, counter)
     out = []
     for k in range(chunks):
         counter.high_water = counter.used
@@ -45,17 +53,6 @@ def replay(geom: Geometry, chunks: int, tiers: bool | None = None) -> list[tuple
     return out
 
 
-@pytest.mark.parametrize("pins", [0, 3])
-def test_tier_policy_equals_the_pack_policy_without_tiers(pins: int) -> None:
-    checked = 0
-    for bits, keep, skeep, sink, sf in itertools.product([2, 4], [0, 1, 2], [0, 1], [True, False], [2, 4]):
-        q = QuantConfig(bits=bits, keep_recent_chunks=keep, sink_keep_chunks=skeep, sink=sink, **SMALL)
-        geom = Geometry.from_workload(tiny(quant=q, sink_frames=sf, scene_cut_every=pins, global_sink=not pins))
-        assert replay(geom, 14) == replay(geom, 14, tiers=True), (bits, keep, skeep, sink, sf)
-        checked += 1
-    assert checked == 48
-
-
 TIERED = [
     dict(bits=2, sink_format="int4", recent_format="int4"),
     dict(bits=2, recent_format="fp8"),
@@ -63,6 +60,23 @@ TIERED = [
     dict(bits=4, sink_format="fp8", recent_format="fp8", sink_keep_chunks=1),
     dict(bits=2, sink_format="int2", recent_format="int2"),  # recent packed in the history's format: no repack
 ]
+
+
+@pytest.mark.parametrize("pins", [0, 3])
+def test_planner_candidates_select_what_the_cache_scan_selects(pins: int) -> None:
+    checked = 0
+    for bits, keep, skeep, sink, sf in itertools.product([2, 4], [0, 1, 2], [0, 1], [True, False], [2, 4]):
+        q = QuantConfig(bits=bits, keep_recent_chunks=keep, sink_keep_chunks=skeep, sink=sink, **SMALL)
+        geom = Geometry.from_workload(tiny(quant=q, sink_frames=sf, scene_cut_every=pins, global_sink=not pins))
+        assert replay(geom, 14) == replay(geom, 14, scan=True), (bits, keep, skeep, sink, sf)
+        checked += 1
+    for kw in TIERED:
+        for sf in (2, 3):
+            q = QuantConfig(**SMALL, **kw)
+            geom = Geometry.from_workload(tiny(quant=q, sink_frames=sf, scene_cut_every=pins, global_sink=not pins))
+            assert replay(geom, 14) == replay(geom, 14, scan=True), (kw, sf)
+            checked += 1
+    assert checked == 48 + 10
 
 
 @pytest.mark.parametrize("kw", TIERED, ids=str)

@@ -7,12 +7,13 @@ sequencing core (sequencing.py); the policy (which chunks, in which order) is po
 (quantizing, reading rows) runs before the first page changes hands, so a failure leaves cache and pool as they
 were; `store_packed` and `unpack` only move pages and rows.
 
-Formats by age (issue 23): with a tiered `QuantConfig` the layer has one store per tier format (`stores`,
-tier_stores.py; a packed segment names its format in `Segment.fmt`) and the policy is `policy.tier_targets`: a dense
-chunk packs into its tier's format, a packed one leaving the recent tier is repacked into the history's format from
-its decoded values (dequantize with its store, quantize with the next one; both temporaries, before any page moves).
-Pressure packs always use the history's format (the fewest pages). Untiered configs take `policy.pack_targets` and
-the one history store, exactly as before.
+Formats by age (issue 23): the layer has one store per packed format its tiers use (`stores`, tier_stores.py,
+built from the format registry `quant/formats.py`; a packed segment names its format in `Segment.fmt`) and the
+policy is `policy.tier_targets`: a dense chunk packs into its tier's format, a packed one leaving the recent tier is
+repacked into the history's format from its decoded values (dequantize with its store, quantize with the next one;
+both temporaries, before any page moves). Pressure packs always use the history's format (the fewest pages). A
+config without tiers is the case whose sink and history tiers share the history's format and whose recent tier is
+dense: one store, the same path (`tier_targets` then selects exactly `policy.pack_targets`' segments).
 """
 
 from __future__ import annotations
@@ -23,7 +24,7 @@ import torch
 
 from pagedqvg.allocator import BlockPool, RangeEntry
 from pagedqvg.allocator.pool import exhausted_error, set_used_bytes
-from pagedqvg.cache.policy import layer_pack_targets, pressure_candidates, sink_segment_starts, tier_targets
+from pagedqvg.cache.policy import layer_tier_targets, pressure_candidates, sink_segment_starts
 from pagedqvg.cache.sequencing import CallPlan, Sequencer
 from pagedqvg.errors import PackingFailedWarning
 from pagedqvg.layout.segments import DenseTokenLayout
@@ -78,7 +79,8 @@ class ChunkPacker:
         self.quant = quant
         self.pack_under_pressure = bool(pack_under_pressure)
         self.stores: dict[str, TierStore] = dict(stores) if stores else ({store.name: store} if store else {})
-        self.tiered = bool(quant is not None and quant.tiered)
+        #: more than one packed format (a tiered config): `memory_breakdown` reports each format's pages and bytes
+        self.tiered = len(self.stores) > 1
         self.skipped = 0
         #: packs the policy put off because the pool had no room for the packed rows (a full shared pool)
         self.deferred_for_room = 0
@@ -176,19 +178,15 @@ class ChunkPacker:
 
     # ------------------------------------------------------------ packing
     def apply_policy(self, keep_start: int, keep_end: int, name: str) -> bool:
-        """After an advance: pack what `policy.layer_pack_targets` selects (the current chunk and segments overlapping
-        `[keep_start, keep_end)`, this call's write, stay dense). Returns whether any segment changed (the caller's
-        plans are then stale); nothing with quantization off."""
+        """After an advance: pack (or repack) what `policy.layer_tier_targets` selects, each into its tier's format (the
+        current chunk and segments overlapping `[keep_start, keep_end)`, this call's write, stay as they are).
+        Returns whether any segment changed (the caller's plans are then stale); nothing with quantization off."""
         if self.store is None or self.quant is None:
             return False
         changed = False
-        if self.tiered:
-            keep = (keep_start, keep_end)
-            for entry, tier in tier_targets(self.quant, sink_segment_starts(self.seq), list(self.seq.index), keep):
-                changed |= self.pack(entry, name, self.quant.tier_format(tier))
-            return changed
-        for entry in layer_pack_targets(self.quant, self.seq, (keep_start, keep_end)):
-            changed |= self.pack(entry, name)
+        keep = (keep_start, keep_end)
+        for entry, tier in layer_tier_targets(self.quant, self.seq, keep):
+            changed |= self.pack(entry, name, self.quant.tier_format(tier))
         return changed
 
     def pack(self, entry: RangeEntry[Segment], name: str, fmt: str | None = None) -> bool:

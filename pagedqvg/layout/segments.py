@@ -141,6 +141,29 @@ class PackedSegmentLayout:
         )
 
 
+class Fp8SegmentLayout:
+    """Pages of an fp8-tier segment: `2 * B` rows of `Fp8Format.token_row_bytes` per token, whole tokens per page
+    (K and V of every batch element side by side, as dense and packed token rows are), no codebooks."""
+
+    def __init__(self, batch_size: int, token_row_bytes: int, page_bytes: int) -> None:
+        self.batch_size = batch_size
+        self.token_row_bytes = token_row_bytes
+        self.tokens_per_page = (page_bytes // token_row_bytes) // (2 * batch_size)
+        if self.tokens_per_page < 1:
+            raise ValueError(
+                f"an fp8-tier token ({2 * batch_size} rows of {token_row_bytes} B) does not fit a page of "
+                f"{page_bytes} B; use a larger --page-bytes or another tier format"
+            )
+
+    def pages_for_tokens(self, tokens: int) -> int:
+        """Pages of a segment of `tokens` tokens. O(1)."""
+        return -(-tokens // self.tokens_per_page)
+
+    def used_bytes_for_tokens(self, tokens: int) -> int:
+        """Bytes the rows really occupy (without page rounding)."""
+        return 2 * self.batch_size * tokens * self.token_row_bytes
+
+
 def page_pieces(pages: list[int], tokens_per_page: int, t0: int, t1: int) -> list[tuple[int, int, int]]:
     """Tokens `[t0, t1)` of a segment whose pages are `pages`, as `(page, first, last)` token slots per page, in
     order (`first`/`last` are token slots inside the page, half-open). O(pages touched)."""

@@ -46,7 +46,7 @@ from dataclasses import dataclass
 import torch
 
 from pagedqvg.allocator import RangeEntry
-from pagedqvg.cache.policy import pack_targets, sink_segment_starts, tier_targets
+from pagedqvg.cache.policy import sink_segment_starts, tier_targets
 from pagedqvg.cache.sequencing import CacheSpec, Sequencer, view_slot_ranges
 from pagedqvg.layout.attention_scratch import (
     ATTN_TILE_TOKENS,
@@ -64,8 +64,10 @@ from pagedqvg.layout.segments import (
 )
 from pagedqvg.planning.presets import Workload
 from pagedqvg.planning.tiers import tier_layouts
-from pagedqvg.quant.config import QuantConfig
+from pagedqvg.quant.config import TIERS, QuantConfig
 from pagedqvg.quant.format import PackedFormat
+from pagedqvg.quant.formats import format_rank
+from pagedqvg.quant.layouts import tier_layout
 from pagedqvg.store.segment import SegmentKind
 from pagedqvg.validation import PAGE_ALIGN_BYTES, check_int, nearest_page_bytes, page_bytes_at_least
 
@@ -221,9 +223,15 @@ class Geometry:
         return PackedFormat(self.head_dim, self.heads, self.quant, self.dtype)
 
     def packed_layout(self) -> PackedSegmentLayout | None:
-        """Layout of packed segments, or None when quantization is off."""
-        fmt = self.packed_format()
-        return None if fmt is None else PackedSegmentLayout.from_format(self.batch_size, fmt, self.page_bytes)
+        """Layout of the history format's packed segments (the registry's, `quant/layouts.py`), or None when
+        quantization is off."""
+        if not self.quant.enabled:
+            return None
+        layout = tier_layout(
+            self.quant, "history", self.batch_size, self.heads, self.head_dim, self.dtype, self.page_bytes
+        )
+        assert isinstance(layout, PackedSegmentLayout)  # the history's format is a PRQ one
+        return layout
 
     def dense_cache_bytes(self) -> int:
         """Bytes of the dense reference cache's K and V buffers for one layer: `2 * B * C * H * D * itemsize`."""
@@ -375,9 +383,9 @@ class CountingLayer:
     """One `PagedCausalKVCache` whose store counts pages instead of holding them (no tensors).
 
     The cache's own `Sequencer` (slot map, roll, pin, view ranges, released segments) and pack policy
-    (`policy.pack_targets`) with `PageCounter` for a pool: a bf16 segment of `n` tokens takes
-    `DenseTokenLayout.pages_for_tokens(n)` pages, a packed one `PackedSegmentLayout.pages_for_tokens(n)`; packing
-    frees the bf16 pages, then takes the packed ones, as the cache does. Each call is O(runs + log(segments) +
+    (`policy.tier_targets`, one path with or without tiers) with `PageCounter` for a pool: a segment of `n` tokens
+    takes its format's `pages_for_tokens(n)` pages (`tiers.tier_layouts`: bf16, the history's, the tiers'); packing
+    frees the old pages, then takes the packed ones, as the cache does. Each call is O(runs + log(segments) +
     segments touched + keep_recent_chunks + sink segments), so a replay of N chunks is O(N log N) whatever the
     window.
     """
@@ -398,8 +406,10 @@ class CountingLayer:
         self.pages = {SegmentKind.DENSE: 0, SegmentKind.PACKED: 0}
         self.segments = {SegmentKind.DENSE: 0, SegmentKind.PACKED: 0}
         self._order: dict[int, RangeEntry[CountedSegment]] = {}  # every segment by start, oldest first
-        self._dense: dict[int, RangeEntry[CountedSegment]] = {}  # bf16 segments (packing candidates), oldest first
-        self.tiers = tier_layouts(geom) if geom.quant.tiered else None  # formats by age (pagedqvg/planning/tiers.py)
+        self._movable: dict[int, RangeEntry[CountedSegment]] = {}  # not in the tiers' coarsest format, oldest first
+        # format -> layout of every format the tiers use (pagedqvg/planning/tiers.py; untiered: bf16 and the history's)
+        self.tiers = tier_layouts(geom) if self.packed is not None else None
+        self._coarsest = min(format_rank(geom.quant.tier_format(t)) for t in TIERS)
 
     # ---------------------------------------------------------------- state
     @property
@@ -411,13 +421,9 @@ class CountingLayer:
         """Bytes the retained tokens' rows really occupy (plus codebooks of packed segments), as the cache reports."""
         if self.packed is None:
             return self.dense.used_bytes_for_tokens(self.seq.state.local_end)
-        if self.tiers is not None:
-            return sum(
-                self.tiers[entry.value.fmt or "bf16"].used_bytes_for_tokens(kept)  # type: ignore[attr-defined]
-                for entry, kept in self.seq.retained_tokens()
-            )
+        assert self.tiers is not None
         return sum(
-            (self.packed if entry.value.packed else self.dense).used_bytes_for_tokens(kept)
+            self.tiers[entry.value.fmt or "bf16"].used_bytes_for_tokens(kept)
             for entry, kept in self.seq.retained_tokens()
         )
 
@@ -429,7 +435,7 @@ class CountingLayer:
         plan = seq.plan_write(start, n, self.name)
         for entry in seq.release(plan):
             del self._order[entry.start]
-            self._dense.pop(entry.start, None)
+            self._movable.pop(entry.start, None)
             self._release(entry.value)
         segment = None
         if plan.new_tokens:
@@ -437,22 +443,20 @@ class CountingLayer:
             self._take(segment)
         entry = seq.commit(plan, segment)
         if entry is not None:
-            self._order[entry.start] = self._dense[entry.start] = entry
+            self._order[entry.start] = self._movable[entry.start] = entry
             if self.packed is not None:
                 self._apply_pack_policy(start, start + n)
         return sum(b - a for a, b in seq.view_ranges(plan.local_start, None))
 
     def _apply_pack_policy(self, keep_start: int, keep_end: int) -> None:
-        """After an advance: pack what `policy.pack_targets` selects (only bf16 segments are candidates, and the
-        newest are read only up to `keep_recent_chunks`: O(candidates + keep_recent + sink segments))."""
+        """After an advance: pack (or repack) what `policy.tier_targets` selects into its tier's format, as the
+        cache does (only segments not yet in the tiers' coarsest format are candidates, and the newest are read only
+        up to `keep_recent_chunks`: O(candidates + keep_recent + sink segments))."""
         sinks = sink_segment_starts(self.seq)
-        if self.tiers is not None:
-            for entry, tier in tier_targets(self.geom.quant, sinks, list(self.seq.index), (keep_start, keep_end)):
-                self._pack_tier(entry, self.geom.quant.tier_format(tier))
-            return
         newest = reversed(self._order.values())
-        for target in pack_targets(self.geom.quant, sinks, newest, list(self._dense.values()), (keep_start, keep_end)):
-            self._pack(target)
+        keep = (keep_start, keep_end)
+        for entry, tier in tier_targets(self.geom.quant, sinks, newest, list(self._movable.values()), keep):
+            self._pack_tier(entry, self.geom.quant.tier_format(tier))
 
     def advance(self) -> int:
         """Append one chunk at the global end (the first denoise step). Returns the view's token count."""
@@ -483,18 +487,11 @@ class CountingLayer:
     def _pack_tier(self, entry: RangeEntry[CountedSegment], fmt: str) -> None:
         """Formats by age: frees the segment's pages (bf16 or an earlier tier's), then takes `fmt`'s pages."""
         assert self.tiers is not None
-        self._dense.pop(entry.start, None)
+        if format_rank(fmt) <= self._coarsest:  # it can move no further
+            del self._movable[entry.start]
         self._release(entry.value)
-        pages = self.tiers[fmt].pages_for_tokens(entry.end - entry.start)  # type: ignore[attr-defined]
+        pages = self.tiers[fmt].pages_for_tokens(entry.end - entry.start)
         entry.value = CountedSegment(SegmentKind.PACKED, pages, fmt=fmt)
-        self._take(entry.value)
-
-    def _pack(self, entry: RangeEntry[CountedSegment]) -> None:
-        """Frees the bf16 pages, then takes the packed ones."""
-        assert self.packed is not None
-        del self._dense[entry.start]
-        self._release(entry.value)
-        entry.value = CountedSegment(SegmentKind.PACKED, self.packed.pages_for_tokens(entry.end - entry.start))
         self._take(entry.value)
 
 

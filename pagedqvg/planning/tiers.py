@@ -15,35 +15,63 @@ and the cache's `memory_breakdown` count them. Tensor-free; O(segments).
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from typing import Protocol
 
-from pagedqvg.layout.segments import PackedSegmentLayout
-from pagedqvg.quant import PackedFormat
-from pagedqvg.quant.fp8 import Fp8Format
+import torch
+
+from pagedqvg.layout.segments import DenseTokenLayout, PackedSegmentLayout
+from pagedqvg.quant import QuantConfig
+from pagedqvg.quant.formats import get_format
+from pagedqvg.quant.layouts import SegmentLayout, tier_layout
 from pagedqvg.validation import DTYPES_BY_NAME
-
-if TYPE_CHECKING:
-    from pagedqvg.planning.planner import Geometry
 
 #: Segment roles, in the order `tier_used_bytes` reports them.
 ROLES: tuple[str, ...] = ("sink", "history", "recent", "current")
+#: The tiers, in the order `tier_layouts` builds their layouts.
+_TIER_ORDER: tuple[str, ...] = ("history", "recent", "sink")
 
 
-def format_used_bytes(geom: Geometry, tier: str, tokens: int) -> int:
+class TierGeometry(Protocol):
+    """What this module reads of a layer's geometry (`planner.Geometry`)."""
+
+    @property
+    def quant(self) -> QuantConfig: ...
+    @property
+    def batch_size(self) -> int: ...
+    @property
+    def heads(self) -> int: ...
+    @property
+    def head_dim(self) -> int: ...
+    @property
+    def dtype(self) -> torch.dtype: ...
+    @property
+    def page_bytes(self) -> int: ...
+    @property
+    def chunk_tokens(self) -> int: ...
+    @property
+    def cache_size(self) -> int: ...
+    @property
+    def caches(self) -> int: ...
+    @property
+    def effective_sink(self) -> int: ...
+    @property
+    def dense(self) -> DenseTokenLayout: ...
+
+
+def _layout(geom: TierGeometry, tier: str) -> SegmentLayout:
+    """`tier`'s segment layout (the registry's: `quant/layouts.py`); the cache dtype's for a dense tier."""
+    if geom.quant.tier_format(tier) == "bf16":
+        return geom.dense
+    return tier_layout(geom.quant, tier, geom.batch_size, geom.heads, geom.head_dim, geom.dtype, geom.page_bytes)
+
+
+def format_used_bytes(geom: TierGeometry, tier: str, tokens: int) -> int:
     """Bytes of one segment of `tokens` tokens in `tier`'s format ('sink', 'history', 'recent'; K and V, all batch
     elements and heads of the layer). O(1)."""
-    name = geom.quant.tier_format(tier)
-    if name == "bf16":
-        return geom.dense.used_bytes_for_tokens(tokens)
-    if name == "fp8":
-        return 2 * geom.batch_size * tokens * Fp8Format(geom.head_dim, geom.heads).token_row_bytes
-    q = geom.quant.tier_quant(tier)
-    assert q is not None
-    fmt = PackedFormat(geom.head_dim, geom.heads, q, geom.dtype)
-    return PackedSegmentLayout.from_format(geom.batch_size, fmt, geom.page_bytes).used_bytes_for_tokens(tokens)
+    return _layout(geom, tier).used_bytes_for_tokens(tokens)
 
 
-def steady_segments(geom: Geometry) -> list[tuple[str, str, int]]:
+def steady_segments(geom: TierGeometry) -> list[tuple[str, str, int]]:
     """`(role, format, tokens)` of every segment of a layer at steady state without pins, sink first, then the
     window oldest first. O(segments)."""
     n, E, C = geom.chunk_tokens, geom.effective_sink, geom.cache_size
@@ -63,18 +91,25 @@ def steady_segments(geom: Geometry) -> list[tuple[str, str, int]]:
     return out
 
 
-def tier_used_bytes(geom: Geometry) -> dict[str, int]:
-    """Bytes per role (`ROLES`) of one layer at steady state without pins; their sum is the layer's used bytes."""
-    out = dict.fromkeys(ROLES, 0)
-    for role, fmt, tokens in steady_segments(geom):
-        if fmt == "bf16" or role == "current":
-            out[role] += geom.dense.used_bytes_for_tokens(tokens)
-        else:
-            out[role] += format_used_bytes(geom, role, tokens)
+def format_layouts(geom: TierGeometry) -> dict[str, SegmentLayout]:
+    """Format name -> layout of every format `geom.quant`'s tiers use, 'bf16' (the cache dtype) included; a config
+    without tiers (quantization off) maps 'bf16' alone. No page-fit check (`tier_layouts` adds it). O(tiers)."""
+    out: dict[str, SegmentLayout] = {"bf16": geom.dense}
+    for tier in _TIER_ORDER:
+        out.setdefault(geom.quant.tier_format(tier), _layout(geom, tier))
     return out
 
 
-def dense_label(geom: Geometry, fmt: str) -> str:
+def tier_used_bytes(geom: TierGeometry) -> dict[str, int]:
+    """Bytes per role (`ROLES`) of one layer at steady state without pins; their sum is the layer's used bytes."""
+    out = dict.fromkeys(ROLES, 0)
+    layouts = format_layouts(geom)
+    for role, fmt, tokens in steady_segments(geom):
+        out[role] += layouts[fmt].used_bytes_for_tokens(tokens)
+    return out
+
+
+def dense_label(geom: TierGeometry, fmt: str) -> str:
     """`fmt` as tables show it: the dense format ("bf16" in the tier configuration) is named by the cache dtype
     (bf16, fp16 or fp32); packed formats by their own names."""
     if fmt != "bf16":
@@ -82,7 +117,7 @@ def dense_label(geom: Geometry, fmt: str) -> str:
     return next((name for name, dt in DTYPES_BY_NAME.items() if dt == geom.dtype), str(geom.dtype))
 
 
-def tier_summary(geom: Geometry) -> str:
+def tier_summary(geom: TierGeometry) -> str:
     """One line: each role's format, segment count and bytes for all caches, e.g. 'sink int4 x1 1.03 GiB, ...'."""
     counts: dict[str, list[str]] = {}
     for role, fmt, _tokens in steady_segments(geom):
@@ -97,50 +132,23 @@ def tier_summary(geom: Geometry) -> str:
     return ", ".join(parts) + f"; total {sum(total.values()) * geom.caches / 2**30:.2f} GiB"
 
 
-class Fp8SegmentLayout:
-    """Pages of an fp8-tier segment: `2 * B` rows of `Fp8Format.token_row_bytes` per token, whole tokens per page
-    (K and V of every batch element side by side, as dense and packed token rows are), no codebooks."""
-
-    def __init__(self, batch_size: int, token_row_bytes: int, page_bytes: int) -> None:
-        self.batch_size = batch_size
-        self.token_row_bytes = token_row_bytes
-        self.tokens_per_page = (page_bytes // token_row_bytes) // (2 * batch_size)
-        if self.tokens_per_page < 1:
-            raise ValueError(
-                f"an fp8-tier token ({2 * batch_size} rows of {token_row_bytes} B) does not fit a page of "
-                f"{page_bytes} B; use a larger --page-bytes or another tier format"
-            )
-
-    def pages_for_tokens(self, tokens: int) -> int:
-        """Pages of a segment of `tokens` tokens. O(1)."""
-        return -(-tokens // self.tokens_per_page)
-
-    def used_bytes_for_tokens(self, tokens: int) -> int:
-        """Bytes the rows really occupy (without page rounding)."""
-        return 2 * self.batch_size * tokens * self.token_row_bytes
-
-
-def tier_layouts(geom: Geometry) -> dict[str, object]:
+def tier_layouts(geom: TierGeometry) -> dict[str, SegmentLayout]:
     """Format name -> layout (`pages_for_tokens`, `used_bytes_for_tokens`) of every format `geom.quant`'s tiers
-    use, 'bf16' included. ValueError naming the tier when its segments do not fit `geom.page_bytes`."""
-    out: dict[str, object] = {"bf16": geom.dense}
-    for tier in ("history", "recent", "sink"):
+    use, 'bf16' included (a config without tiers maps 'bf16' alone, or with quantization on 'bf16' and the history's
+    format). ValueError naming the tier when its segments do not fit `geom.page_bytes`."""
+    out: dict[str, SegmentLayout] = {"bf16": geom.dense}
+    for tier in _TIER_ORDER:
         name = geom.quant.tier_format(tier)
         if name in out:
             continue
-        if name == "fp8":
-            out[name] = Fp8SegmentLayout(geom.batch_size, Fp8Format(geom.head_dim, geom.heads).token_row_bytes,
-                                         geom.page_bytes)  # fmt: skip
+        layout = out[name] = _layout(geom, tier)  # an fp8 layout raises ValueError when a token does not fit a page
+        if not get_format(name).prq:
             continue
-        q = geom.quant.tier_quant(tier)
-        assert q is not None
-        fmt = PackedFormat(geom.head_dim, geom.heads, q, geom.dtype)
-        layout = PackedSegmentLayout.from_format(geom.batch_size, fmt, geom.page_bytes)
+        assert isinstance(layout, PackedSegmentLayout)
         if layout.tokens_per_page < 1 or layout.codebook_row_bytes > geom.page_bytes:
             raise ValueError(
                 f"the {tier} tier's {name} segments do not fit a page of {geom.page_bytes} B (token row "
                 f"{layout.token_row_bytes} B x {2 * geom.batch_size}, codebook row {layout.codebook_row_bytes} B); "
                 "use a larger --page-bytes"
             )
-        out[name] = layout
     return out

@@ -16,6 +16,8 @@ from collections.abc import Mapping
 from dataclasses import dataclass, fields
 from typing import Any
 
+from pagedqvg.quant.formats import FORMATS, TIER_FORMAT_NAMES, format_rank, get_format
+from pagedqvg.quant.formats import FP8_BLOCK as FP8_BLOCK  # re-exported: the fp8 format's block (tests, fp8 docs)
 from pagedqvg.validation import check_int
 
 #: Allowed values of `QuantConfig.bits` (None = quantization off: a dense cache).
@@ -23,9 +25,13 @@ ALLOWED_BITS: tuple[int | None, ...] = (None, 2, 4)
 #: Centroid ids are stored as uint8, so a stage has at most 256 centroids.
 MAX_CENTROIDS = 256
 
-_MODE_TO_BITS: dict[str, int | None] = {"off": None, "none": None, "bf16": None, "int4": 4, "int2": 2}
 #: `kv_cache_quant` value selecting `QuantConfig.compact()` (other keys given with it override its fields).
 COMPACT_MODE = "compact"
+#: `kv_cache_quant` values naming a code width: off (and its aliases), then the reference PRQ formats (registry).
+_MODE_TO_BITS: dict[str, int | None] = {
+    **dict.fromkeys(("off", "none", "bf16")),
+    **{f.name: f.bits for f in FORMATS if f.prq and f.name != COMPACT_MODE},
+}
 _BITS_TO_MODE: dict[int | None, str] = {None: "off", 4: "int4", 2: "int2"}
 _TRUE = {"1", "true", "yes", "on", "y", "t"}
 _FALSE = {"0", "false", "no", "off", "n", "f"}
@@ -50,13 +56,9 @@ SGLANG_KEYS: dict[str, str] = {
 _BOOL_FIELDS = ("asymmetric", "sink", "pack_trits", "fit_scales", "codebook_fp8")
 SGLANG_KEYS["kv_cache_quant_recent"] = "recent_format"
 
-#: Formats a tier may take: dense in the cache dtype, PRQ int4 / int2 / compact, or fp8 e4m3 with power-of-two block
-#: scales (near-lossless, `quant/fp8.py`). The history takes int4, int2 or compact (`--kv-cache-quant`).
-TIER_FORMATS: tuple[str, ...] = ("bf16", "fp8", "int4", "int2", "compact")
-#: Channels sharing one power-of-two scale in the fp8 tier format (as MX formats' 32-element blocks).
-FP8_BLOCK = 32
-#: Precision rank of a tier format: a chunk may only age into a format of equal or lower rank.
-_FORMAT_RANK: dict[str, int] = {"bf16": 4, "fp8": 3, "int4": 2, "int2": 1, "compact": 1}
+#: Formats a tier may take (the registry's, `quant/formats.py`): dense in the cache dtype, fp8 e4m3 with power-of-two
+#: block scales (near-lossless, `quant/fp8.py`), PRQ int4 / int2 / compact. The history takes a PRQ format.
+TIER_FORMATS: tuple[str, ...] = TIER_FORMAT_NAMES
 #: The tiers of a packed cache, oldest role first.
 TIERS: tuple[str, ...] = ("sink", "history", "recent")
 
@@ -122,10 +124,7 @@ class QuantConfig:
         tokens): 8.13x at 4,680 tokens, 8.67x at 10,800. Needs head_dim a multiple of 128 (the block size).
         `overrides` replace fields (e.g. `keep_recent_chunks=2`); the result is validated.
         """
-        base: dict[str, Any] = dict(
-            bits=2, centroids=128, block_size=128, stages=1, kmeans_iters=2, asymmetric=False, pack_trits=True,
-            fit_scales=True, codebook_fp8=True,
-        )  # fmt: skip
+        base: dict[str, Any] = dict(centroids=128, kmeans_iters=2, **dict(get_format(COMPACT_MODE).quant_fixed))
         base.update(overrides)
         return cls(**base)
 
@@ -196,10 +195,12 @@ class QuantConfig:
                 q = self.tier_quant(tier)
                 if q is not None and q is not self:
                     _validate_tier_head_dim(tier, q, head_dim)
-                if self.tier_format(tier) == "fp8" and head_dim % FP8_BLOCK:
+                fmt = get_format(self.tier_format(tier))
+                if fmt.channel_block and head_dim % fmt.channel_block:
                     raise ValueError(
-                        f"the {tier} tier's format 'fp8' scales blocks of {FP8_BLOCK} channels, which do not divide "
-                        f"head_dim={head_dim}; allowed: head_dim a multiple of {FP8_BLOCK}, or another format"
+                        f"the {tier} tier's format {fmt.name!r} scales blocks of {fmt.channel_block} channels, which "
+                        f"do not divide head_dim={head_dim}; allowed: head_dim a multiple of {fmt.channel_block}, or "
+                        "another format"
                     )
             if head_dim % self.block_size:
                 divisors = [d for d in range(1, head_dim + 1) if head_dim % d == 0]
@@ -238,8 +239,8 @@ class QuantConfig:
                 f"QuantConfig.recent_format={self.recent_format!r} with keep_recent_chunks=0: no chunk is in the "
                 "recent tier; allowed: keep_recent_chunks >= 1, or recent_format 'bf16'"
             )
-        if _FORMAT_RANK[self.recent_format] < _FORMAT_RANK[self.mode]:
-            finer = [f for f in TIER_FORMATS if _FORMAT_RANK[f] >= _FORMAT_RANK[self.mode]]
+        if format_rank(self.recent_format) < format_rank(self.mode):
+            finer = [f for f in TIER_FORMATS if format_rank(f) >= format_rank(self.mode)]
             raise ValueError(
                 f"QuantConfig.recent_format={self.recent_format!r} is coarser than the history's {self.mode!r}: a "
                 f"recent chunk would gain no precision by aging; allowed: {', '.join(finer)}"
@@ -269,18 +270,15 @@ class QuantConfig:
     def tier_quant(self, tier: str) -> QuantConfig | None:
         """The PRQ config packing `tier`'s chunks: self for the history's format, a derived config (this config's
         centroids, block, stages, iterations, seed; compact's format fields) for another int4/int2/compact tier,
-        None for a dense ('bf16') or fp8 tier (fp8 is `quant/fp8.py`'s codec)."""
+        None for a dense ('bf16') or fp8 tier (fp8 is `quant/fp8.py`'s codec). The derived config is the format's
+        registry record: its `quant_fixed` fields over this config's `quant_inherits` ones (`quant/formats.py`)."""
         name = self.tier_format(tier)
-        if name in ("bf16", "fp8"):
+        fmt = get_format(name)
+        if not fmt.prq:
             return None
         if name == self.mode:
             return self
-        if name == COMPACT_MODE:
-            return QuantConfig.compact(seed=self.seed, kmeans_iters=self.kmeans_iters, centroids=self.centroids)
-        return QuantConfig(
-            bits=_MODE_TO_BITS[name], centroids=self.centroids, block_size=self.block_size, stages=self.stages,
-            kmeans_iters=self.kmeans_iters, asymmetric=self.asymmetric, seed=self.seed,
-        )  # fmt: skip
+        return QuantConfig(**{k: getattr(self, k) for k in fmt.quant_inherits}, **dict(fmt.quant_fixed))
 
     # ------------------------------------------------------------------ text
     def describe(self) -> str:
@@ -354,12 +352,6 @@ class QuantConfig:
         if compact:
             return cls.compact(**kwargs)
         return cls(**kwargs)
-
-
-def format_rank(name: str) -> int:
-    """Precision rank of a tier format (bf16 4, fp8 3, int4 2, int2 and compact 1): a chunk only ever moves to a
-    format of lower rank (aging), never back up."""
-    return _FORMAT_RANK[name]
 
 
 def _validate_tier_head_dim(tier: str, q: QuantConfig, head_dim: int) -> None:

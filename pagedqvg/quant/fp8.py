@@ -21,8 +21,8 @@ from dataclasses import dataclass
 
 import torch
 
-from pagedqvg.quant.config import FP8_BLOCK
 from pagedqvg.quant.format import FP8_DTYPE, FP8_MAX
+from pagedqvg.quant.formats import FP8_BLOCK
 
 _EXP_BIAS = 127
 

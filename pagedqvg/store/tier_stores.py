@@ -2,10 +2,11 @@
 
 A quantized cache holds completed chunks in up to three packed formats at once (the sink's, the recent tier's and
 the history's; `QuantConfig.tier_format`). Each format has its own store over the same pool pages, with one
-interface (`quantize` -> `QuantizedChunk`, `write`, `pages_for_tokens`, `token_pages`, `layout.used_bytes_for_tokens`,
-`dequantize_into`, `dequantize_pieces`): `packing.PackedStore` for the PRQ formats (int4, int2, compact; each with
-its tier's `QuantConfig.tier_quant`) and `Fp8Store` here for fp8 (`quant/fp8.py`; token rows only, no codebooks).
-A packed segment names its format (`Segment.fmt`); `tier_stores` builds the map format -> store once per cache.
+interface, the `TierStore` Protocol (`quantize` -> `QuantizedChunk`, `write`, `pages_for_tokens`, `token_pages`,
+`layout.used_bytes_for_tokens`, `dequantize_into`, `dequantize_pieces`): `PackedStore` for the PRQ formats (int4,
+int2, compact; each with its tier's `QuantConfig.tier_quant`) and `Fp8Store` here for fp8 (`quant/fp8.py`; token
+rows only, no codebooks): the registry's codec picks the class (`STORE_CLASSES`, `quant/formats.py`). A packed
+segment names its format (`Segment.fmt`); `tier_stores` builds the map format -> store once per cache.
 
 Views: `page_io.PageIO` puts dense, zero and history-format packed runs in its one `view_runs` call and reads the
 runs of every other format with that store's `dequantize_pieces` (a `packed_dequant` call: a Triton launch on the
@@ -14,29 +15,94 @@ Triton backend; fp8 has no Triton kernel and always runs its torch reference, `F
 
 from __future__ import annotations
 
+from collections.abc import Callable
+from typing import Protocol
+
 import torch
 
 from pagedqvg.allocator import BlockPool
 from pagedqvg.kernels.rows import int64_on
 from pagedqvg.kernels.view.dequant import piece_table, piece_tokens
-from pagedqvg.planning.tiers import Fp8SegmentLayout
+from pagedqvg.layout.segments import Fp8SegmentLayout
 from pagedqvg.quant import QuantConfig
 from pagedqvg.quant.config import TIERS
+from pagedqvg.quant.formats import get_format
 from pagedqvg.quant.fp8 import Fp8Format
 from pagedqvg.store.packed_store import PackedStore, QuantizedChunk
 
-__all__ = ["ExtraRuns", "Fp8Store", "TierStore", "tier_stores"]
+__all__ = ["STORE_CLASSES", "ExtraRuns", "Fp8Store", "TierStore", "tier_stores"]
+
+
+class _UsedBytes(Protocol):
+    def used_bytes_for_tokens(self, tokens: int) -> int: ...
+
+
+class TierStore(Protocol):
+    """One packed format's segments in pool pages: the interface `PackedStore` (PRQ formats) and `Fp8Store` (fp8)
+    implement, the cache's packer (`cache/packing.py`) and `page_io.PageIO` use, whatever the format."""
+
+    @property
+    def name(self) -> str:
+        """The format name (`quant/formats.py`); packed segments record it in `Segment.fmt`."""
+        ...
+
+    @property
+    def tpp(self) -> int:
+        """Whole tokens per token page."""
+        ...
+
+    @property
+    def layout(self) -> _UsedBytes:
+        """The segment layout (`used_bytes_for_tokens`: rows and codebooks really occupied, bytes)."""
+        ...
+
+    def token_pages(self, tokens: int) -> int:
+        """Token pages of a segment of `tokens` tokens."""
+        ...
+
+    def pages_for_tokens(self, tokens: int) -> int:
+        """All pages (token pages, then codebook pages) of a segment of `tokens` tokens."""
+        ...
+
+    def quantize(self, dense: torch.Tensor) -> QuantizedChunk:
+        """Dense K/V `[2, n, B, H, D]` -> staged rows; nothing is written to the pool. ValueError on bad values."""
+        ...
+
+    def write(self, tok_pages: list[int], cb_pages: list[int], q: QuantizedChunk) -> None:
+        """Copy a `quantize` result into a segment's pages."""
+        ...
+
+    def dequantize_into(
+        self, out_t: torch.Tensor, tok_pages: list[int], cb_pages: list[int], t0: int, t1: int, head_start: int
+    ) -> None:
+        """Decode tokens `[t0, t1)` into `out_t` `[t1 - t0, 2, B, Hout, D]` (heads from `head_start`)."""
+        ...
+
+    def dequantize_pieces(
+        self, out_t: torch.Tensor, pieces: torch.Tensor, cb_pages: torch.Tensor | None, head_start: int
+    ) -> None:
+        """Decode a view's piece table (`kernels/view/dequant.py`) into rows of `out_t` `[T, 2, B, heads, D]`."""
+        ...
 
 
 class Fp8Store:
     """fp8-tier segments of one layer shape in pool pages: `Fp8SegmentLayout` (whole tokens per page, K and V of
     every batch element side by side: `[tokens_per_page, 2, B, token_row_bytes]`), no codebook pages.
 
-    Raises ValueError when one token's rows do not fit a page."""
+    Raises ValueError when one token's rows do not fit a page. `cfg` is accepted for the stores' one constructor
+    signature (`STORE_CLASSES`) and ignored: fp8 packs without a PRQ config."""
 
     name = "fp8"
 
-    def __init__(self, pool: BlockPool, batch_size: int, num_heads: int, head_dim: int, dtype: torch.dtype) -> None:
+    def __init__(
+        self,
+        pool: BlockPool,
+        batch_size: int,
+        num_heads: int,
+        head_dim: int,
+        dtype: torch.dtype,
+        cfg: QuantConfig | None = None,
+    ) -> None:
         self.batch_size = batch_size
         self.num_heads = num_heads
         self.head_dim = head_dim
@@ -94,8 +160,18 @@ class Fp8Store:
         out_t.index_copy_(0, out_row, self._decode(rows, head_start, out_t.shape[3]))
 
 
-#: A store of one tier format (`PackedStore` for PRQ formats, `Fp8Store` for fp8).
-TierStore = PackedStore | Fp8Store
+#: The store class of each packed codec of the registry (`TierFormat.codec`; dense rows are the cache's own), all
+#: constructed as `cls(pool, batch_size, num_heads, head_dim, dtype, cfg)` (`cfg`: the tier's `tier_quant`).
+STORE_CLASSES: dict[str, Callable[..., TierStore]] = {"prq": PackedStore, "fp8": Fp8Store}
+
+
+def _new_store(
+    pool: BlockPool, quant: QuantConfig, tier: str, batch_size: int, num_heads: int, head_dim: int, dtype: torch.dtype
+) -> TierStore:
+    """The store of `tier`'s format: its registry codec's class (`STORE_CLASSES`), packing with
+    `quant.tier_quant(tier)` (None for fp8)."""
+    fmt = get_format(quant.tier_format(tier))
+    return STORE_CLASSES[fmt.codec](pool, batch_size, num_heads, head_dim, dtype, quant.tier_quant(tier))
 
 
 def tier_stores(
@@ -107,15 +183,10 @@ def tier_stores(
     out: dict[str, TierStore] = {history.name: history}
     for tier in TIERS:
         name = quant.tier_format(tier)
-        if name == "bf16" or name in out:
+        if not get_format(name).packed or name in out:
             continue
         try:
-            if name == "fp8":
-                out[name] = Fp8Store(pool, batch_size, num_heads, head_dim, dtype)
-            else:
-                q = quant.tier_quant(tier)
-                assert q is not None
-                out[name] = PackedStore(pool, batch_size, num_heads, head_dim, dtype, q)
+            out[name] = _new_store(pool, quant, tier, batch_size, num_heads, head_dim, dtype)
         except ValueError as exc:
             raise ValueError(f"the {tier} tier's {name!r} segments: {exc}") from None
     return out
