@@ -146,17 +146,26 @@ def test_planner_pages_budget_counts_the_triton_path():
 
 
 def test_forced_splits_setter(monkeypatch):
-    monkeypatch.setattr(asp, "_forced", [None])
-    asp.set_forced_splits(4)
-    assert asp.forced_splits() == 4
-    asp.set_forced_splits(None)
-    assert asp.forced_splits() is None
-    for bad in (0, -1, 2.0, True):
-        with pytest.raises(ValueError, match="splits="):
-            asp.set_forced_splits(bad)
-    monkeypatch.setenv("PAGEDQVG_ATTN_SPLITS", "x")
-    with pytest.raises(ValueError, match="PAGEDQVG_ATTN_SPLITS='x'"):
-        asp._env_splits()
+    monkeypatch.delenv("PAGEDQVG_ATTN_SPLITS", raising=False)
+    try:
+        asp.set_forced_splits(4)
+        assert asp.forced_splits() == 4
+        monkeypatch.setenv("PAGEDQVG_ATTN_SPLITS", "2")
+        assert asp.forced_splits() == 4  # the setter overrides the variable
+        asp.set_forced_splits(None)
+        assert asp.forced_splits() is None
+        for bad in (0, -1, 2.0, True):
+            with pytest.raises(ValueError, match="splits="):
+                asp.set_forced_splits(bad)
+        asp.set_forced_splits(None, from_env=True)
+        assert asp.forced_splits() == 2  # the variable, read at call time
+        monkeypatch.setenv("PAGEDQVG_ATTN_SPLITS", "")
+        assert asp.forced_splits() is None
+        monkeypatch.setenv("PAGEDQVG_ATTN_SPLITS", "x")
+        with pytest.raises(ValueError, match="PAGEDQVG_ATTN_SPLITS='x'"):
+            asp.forced_splits()
+    finally:
+        asp.set_forced_splits(None, from_env=True)
 
 
 # ------------------------------------------------------------------------------------------- Triton (interpreter)

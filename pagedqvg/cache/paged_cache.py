@@ -331,7 +331,7 @@ class PagedCausalKVCache(CacheReadout):
         recent_window_tokens: int | None = None,
         softmax_scale: float | None = None,
         debug_name: str | None = None,
-        key_noise_correction: bool = False,
+        **removed: object,
     ) -> torch.Tensor:
         """Write one chunk's K/V exactly as `update_and_get_attention_kv` does and return attention over the rows its
         view would hold, without building the view (attention.py: tiles decoded from pages, online softmax in fp32;
@@ -341,9 +341,8 @@ class PagedCausalKVCache(CacheReadout):
             query: `[batch, query tokens, heads, head_dim]`, the cache dtype and device, `key`'s heads.
             softmax_scale: None: `head_dim ** -0.5`; else a finite float. No mask: every query row attends to every
                 row of the view; never-written rows are keys of score 0 and value 0 (as SDPA over the view).
-            key_noise_correction: subtract each packed key's expected quantization-noise gain from its scores
-                (key_noise.py; from the stored block scales, no extra bytes). Off by default: the README ("Quantized
-                keys steal attention") gives what it does to the error. No effect without packed rows.
+            key_noise_correction: removed (measured not to help: docs/NUMBERS.md#key-noise-correction); passing
+                it raises TypeError, as does any other unknown keyword.
             The rest: as `update_and_get_attention_kv`.
 
         Returns:
@@ -352,6 +351,8 @@ class PagedCausalKVCache(CacheReadout):
         Raises: as `update_and_get_attention_kv`, plus TypeError / ValueError for a bad query or scale; all before
         anything changes. Transient memory: `attention.attention_scratch_bytes` (independent of the window).
         """
+        if removed:
+            raise _removed_keywords(removed)
         own = self.debug_name
         if debug_name is not None and debug_name != own:
             self.debug_name = f"{debug_name} ({own})"  # every error of this call names the caller's label
@@ -362,15 +363,12 @@ class PagedCausalKVCache(CacheReadout):
             shape = (self.batch_size, self._num_heads, self.head_dim)
             check_kv(self.debug_name, key, value, cache_head_start, shape, self.dtype, self.device)
             scale = check_query(query, key, softmax_scale, self.debug_name)
-            if not isinstance(key_noise_correction, bool):
-                raise TypeError(f"{self.debug_name}: key_noise_correction must be a bool, got "
-                                f"{type(key_noise_correction).__name__}")  # fmt: skip
 
             def write_and_attend():
                 plan, h0, _, _, _ = self._write_and_plan(
                     key, value, current_chunk_start, cache_head_start, recent_window_tokens, what
                 )
-                return attend_pages(self._io, plan, h0, query, scale, key_noise=key_noise_correction)
+                return attend_pages(self._io, plan, h0, query, scale)
 
             return self._transactional(write_and_attend)
         finally:
@@ -563,6 +561,17 @@ class PagedCausalKVCache(CacheReadout):
         self._packer.release_all()
         self._structure_changed()
         self._closed = True
+
+
+def _removed_keywords(removed: dict[str, object]) -> TypeError:
+    """The TypeError of unknown keywords of `update_and_attend`; `key_noise_correction` says why it went."""
+    if "key_noise_correction" in removed:
+        return TypeError(
+            "update_and_attend() no longer takes key_noise_correction: the key-noise score correction was removed "
+            "because it was measured not to help (worse in 11 of 12 synthetic cases and on the real LongLive2 "
+            "stage; docs/NUMBERS.md#key-noise-correction)"
+        )
+    return TypeError(f"update_and_attend() got unexpected keyword arguments {sorted(removed)}")
 
 
 def _release_owner(pool: BlockPool, owner: str) -> None:
