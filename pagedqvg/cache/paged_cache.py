@@ -11,9 +11,11 @@ so every error leaves the cache and the pool exactly as they were.
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import functools
 import weakref
+from collections.abc import Iterator
 from typing import NamedTuple
 
 import torch
@@ -241,7 +243,7 @@ class PagedCausalKVCache(CacheReadout):
         )
         self._use_int = bool(use_int_indices)
         self._closed = False
-        self._txn: tuple | None = None  # the saved sequencer while a call runs as a transaction
+        self._txn_stack: contextlib.ExitStack | None = None  # the running call's exit stack (`_transactional`)
         self._last_view_ranges: list[tuple[int, int]] = []
         self._g_tensor, self._l_tensor = cursor_tensors(global_end_index, local_end_index, self.device)
         # A cache collected without close() still gives its pages back.
@@ -404,7 +406,7 @@ class PagedCausalKVCache(CacheReadout):
             touched = self._seq.index.overlapping(s, min(plan.end, self._seq.state.global_end))
         unpack = [x for x in touched if x.value.packed]
         structural = bool(plan.new_tokens or unpack)
-        if structural:  # the caller's `_transactional` ends or rolls back what starts here
+        if structural:  # the caller's `_transactional` ends or rolls back the transaction that starts here
             self._begin_transaction()
             self._commit(plan, unpack, hin)
             self._rewritten(touched, s, plan.end, hin)
@@ -428,47 +430,49 @@ class PagedCausalKVCache(CacheReadout):
 
     # ------------------------------------------------------------ a call that raises has not happened
     def _transactional(self, run):
-        """`run()`; a transaction it began (`_begin_transaction`: an advance, or a rewrite that unpacks) ends when
-        it returns and is rolled back if it raises, so such a call either happens whole or not at all."""
-        try:
-            out = run()
-        except BaseException:
-            if self._txn is not None:
-                self._rollback()
-            raise
-        if self._txn is not None:
-            self._txn = None
-            self.pool.journal_end()
-            self.pool.lock.release()
-        return out
+        """`run()`; a transaction it begins (`_begin_transaction`: an advance, or a rewrite that unpacks) ends when
+        it returns and is rolled back if it raises, so such a call either happens whole or not at all. The
+        transaction is one `with` (`_transaction`) entered on this call's exit stack."""
+        with contextlib.ExitStack() as stack:
+            self._txn_stack = stack
+            try:
+                return run()
+            finally:
+                self._txn_stack = None
 
     def _begin_transaction(self) -> None:
-        """Hold the pool's lock (no other cache can take a page freed meanwhile), save the sequencer's spec, state and
-        segments, and journal this cache's allocations and frees (with a copy of each freed page's bytes: transient,
-        outside the pool). Cost per call: copies of the state, the segment table and the freed pages' bytes."""
-        self.pool.lock.acquire()
-        originals = {e.start: e.value for e in self._seq.index}
-        self._txn = (self._seq.spec, copy.deepcopy(self._seq.state), copy.deepcopy(self._seq.index), originals)
-        self.pool.journal_begin(self.owner)
+        """Enter `_transaction()` on the running call's exit stack (`_transactional`): from here to the end of the
+        call the pool's lock is held and this cache's page moves are journaled."""
+        assert self._txn_stack is not None, "_begin_transaction outside _transactional"
+        self._txn_stack.enter_context(self._transaction())
 
-    def _rollback(self) -> None:
-        """Undo the transaction: pages taken go back, pages freed return with their bytes, the sequencer is restored."""
+    @contextlib.contextmanager
+    def _transaction(self) -> Iterator[None]:
+        """`BlockPool.transaction(owner)` (the pool's lock taken and released there; this cache's allocations and
+        frees journaled, with a copy of each freed page's bytes: transient, outside the pool) around a saved copy of
+        the sequencer's spec, state and segments; on an exception the pool rolls back first, then the sequencer is
+        restored. Cost per call: copies of the state, the segment table and the freed pages' bytes."""
+        originals = {e.start: e.value for e in self._seq.index}
+        saved = (self._seq.spec, copy.deepcopy(self._seq.state), copy.deepcopy(self._seq.index), originals)
         try:
-            self.pool.journal_rollback()
-            self._seq.spec, self._seq.state, self._seq.index, originals = self._txn
-            for entry in self._seq.index:  # the same Segment objects as before the call, with their saved fields
-                orig = originals.get(entry.start)
-                if orig is not None:
-                    for field in Segment.__slots__:
-                        setattr(orig, field, getattr(entry.value, field))
-                    entry.value = orig
-            self._txn = None
-            self._structure_changed()
-            self._packer.report_used()
-            self._on_cursors_changed(self._seq.state.global_end, self._seq.state.local_end)
-        finally:
-            self._txn = None
-            self.pool.lock.release()
+            with self.pool.transaction(self.owner):
+                yield
+        except BaseException:
+            self._restore(saved)
+            raise
+
+    def _restore(self, saved: tuple) -> None:
+        """The sequencer as `_transaction` saved it (the pool already rolled back its pages and bytes)."""
+        self._seq.spec, self._seq.state, self._seq.index, originals = saved
+        for entry in self._seq.index:  # the same Segment objects as before the call, with their saved fields
+            orig = originals.get(entry.start)
+            if orig is not None:
+                for field in Segment.__slots__:
+                    setattr(orig, field, getattr(entry.value, field))
+                entry.value = orig
+        self._structure_changed()
+        self._packer.report_used()
+        self._on_cursors_changed(self._seq.state.global_end, self._seq.state.local_end)
 
     @_holding_pool_lock
     def _commit(self, plan: CallPlan[Segment], unpack: list[RangeEntry[Segment]], hin: int) -> None:
