@@ -9,7 +9,7 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.nn.functional as F
-from helpers import cache_state, same
+from helpers import cache_state, page_io, same
 from memory_count import AllocatedBytes
 
 import pagedqvg.attention.pages as attention
@@ -172,10 +172,10 @@ def test_tiles_of_one_source_and_zero_count():
         b.update_and_attend(k, key=k, value=k, current_chunk_start=24 * step)
         view = a.update_and_get_attention_kv(key=k, value=k, current_chunk_start=24 * step)
     b.update_and_attend(k, key=k, value=k, current_chunk_start=24 * 5)  # a rewrite: its plans are remembered
-    plan = b._io.cached(("call", 24 * 5, 24, 0, 2, None)).view_plan
+    plan = page_io(b).cached(("call", 24 * 5, 24, 0, 2, None)).view_plan
     assert plan.runs is not None  # packed segments in the view: a run table
-    cut = attention_tiles(b._io, plan, 16)
-    assert attention_tiles(b._io, plan, 16) is cut  # cached
+    cut = attention_tiles(page_io(b), plan, 16)
+    assert attention_tiles(page_io(b), plan, 16) is cut  # cached
     assert sum(t.tokens for t in cut.tiles) + cut.zero_rows == view.k.shape[1] == plan.tokens
     for t in cut.tiles:
         assert 1 <= t.tokens <= 16

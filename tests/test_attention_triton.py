@@ -15,7 +15,7 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.nn.functional as F
-from helpers import rerun_interpreted, triton_kernels  # sets TRITON_INTERPRET
+from helpers import newest_view_plan, page_io, rerun_interpreted, triton_kernels  # sets TRITON_INTERPRET
 
 from pagedqvg import BlockPool, PagedCausalKVCache, QuantConfig
 from pagedqvg.attention.pages import plan_sources
@@ -43,7 +43,7 @@ def twins(monkeypatch, quant, dtype, *, B=1, H=3, D=32, chunk=16, chunks=4, sink
                                       dtype=dtype, device=DEVICE, sink_tokens=chunk if sink is None else sink,
                                       global_sink_tokens=chunk if sink is None else sink,
                                       attention_window_size=window, quant=quant, name="c"))  # fmt: skip
-    assert out[1]._io.backend == "triton" and out[0]._io.backend == "torch"
+    assert page_io(out[1]).backend == "triton" and page_io(out[0]).backend == "torch"
     return out
 
 
@@ -131,8 +131,8 @@ def test_reference_is_fp64_sdpa_on_the_view(quant):
     for step in range(4):
         k, v, q = (torch.randn(1, 16, 2, 32, generator=gen).bfloat16() for _ in range(3))
         view = c.update_and_get_attention_kv(key=k, value=v, current_chunk_start=16 * step)
-        plan = [p for key, p in c._io._plans.items() if key[0] == "v"][-1]  # this view's plan (newest entry)
-        got = attend_runs_torch(q, c._io.rows, *plan_sources(c._io, plan), 0, plan.tokens, 32**-0.5)
+        plan = newest_view_plan(c)  # this view's plan
+        got = attend_runs_torch(q, page_io(c).rows, *plan_sources(page_io(c), plan), 0, plan.tokens, 32**-0.5)
         want = sdpa(q.double(), view.k.double(), view.v.double()).to(torch.bfloat16)
         assert torch.equal(got, want)
 

@@ -28,6 +28,7 @@ from collections import Counter
 
 import pytest
 import torch
+from helpers import chunk_packer, deferred_owners, owner_pages_now
 
 from pagedqvg import BlockPool, PagedCausalKVCache, PoolExhaustedError, QuantConfig
 from pagedqvg.allocator.pool import exhausted_error
@@ -129,7 +130,7 @@ def run_program(pool: BlockPool, ops: list[tuple], seed: int, quant: bool, label
             continue
         try:
             res = run_call(caches[op[1]], op, seed * 100_003 + i)
-            if len(res) == 4 and caches[op[1]]._packer.deferred_for_room:
+            if len(res) == 4 and chunk_packer(caches[op[1]]).deferred_for_room:
                 # A pack the policy put off because the (shared) pool had no room leaves that chunk bf16 where the
                 # other run packed it: from then on this cache's view values are not comparable (indices are).
                 res = ("ok", None, None, res[3])
@@ -249,7 +250,7 @@ def test_finalizer_frees_at_the_next_pool_operation_not_inside_one():
     owner = cache.owner
     del cache
     gc.collect()
-    assert len(pool._deferred) == 1 and pool._owner_pages[owner] == held  # queued, nothing freed yet
+    assert deferred_owners(pool) == 1 and owner_pages_now(pool, owner) == held  # queued, nothing freed yet
     assert pool.pages_of(owner) == 0 and pool.stats().used_pages == 0  # the next pool operation gave them back
     pool.check()
 
