@@ -168,11 +168,6 @@ BENCHMARKS: tuple[Benchmark, ...] = (
                            "--json", str(Path(a.out) / "attention_cpu.json"))],
     ),
     Benchmark(
-        "key_noise",
-        "the key-noise score correction: attention error with and without (bench_key_noise.py)",
-        lambda _a: [_script("bench_key_noise.py")],
-    ),
-    Benchmark(
         "tiers",
         "formats by age: bytes per tier and attention error (bench_tiers.py)",
         lambda a: [_script("bench_tiers.py", "--json", str(Path(a.out) / "bench_tiers.json"))],

@@ -2,18 +2,19 @@
 kernel call) run only while it is on.
 
 Off by default, so the repeated call (a later denoise step) makes no host-device synchronization and no allocation
-beyond its view. On when the process starts with `PAGEDQVG_DEBUG=1` (or the older `PAGEDQVG_KERNEL_CHECKS=1`),
-read once when pagedqvg is imported; `set_debug_checks` changes it at run time (the test suite turns it on in
-tests/conftest.py). Checks that read only metadata (shapes, dtypes, devices) always run.
+beyond its view. On when the process starts with `PAGEDQVG_DEBUG=1` (`pagedqvg.env.debug`), read once, when this
+module is imported: the switch is consulted on every kernel call, and a repeated call reads no environment variable.
+`set_debug_checks` changes it at run time (the test suite turns it on in tests/conftest.py). Checks that read only
+metadata (shapes, dtypes, devices) always run.
 """
 
 from __future__ import annotations
 
-import os
+from pagedqvg.env import debug as debug_from_env
 
 __all__ = ["debug_checks", "set_debug_checks"]
 
-_enabled = os.environ.get("PAGEDQVG_DEBUG", "0") == "1" or os.environ.get("PAGEDQVG_KERNEL_CHECKS", "0") == "1"
+_enabled = debug_from_env()
 
 
 def debug_checks() -> bool:

@@ -71,3 +71,12 @@ def production():
     previous = pagedqvg.set_debug_checks(False)
     yield
     pagedqvg.set_debug_checks(previous)
+
+
+@pytest.fixture
+def debug_on():
+    """The debug switch on for one test whatever the suite's setting (`set_debug_checks`, read at call time),
+    restored afterwards: for tests of the data-reading index checks."""
+    previous = pagedqvg.set_debug_checks(True)
+    yield
+    pagedqvg.set_debug_checks(previous)

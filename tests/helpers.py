@@ -6,9 +6,12 @@ reads it when it decorates kernels), so the Triton kernel tests run in Triton's 
 - Drawn cache configurations: `cache_kwargs`, `make_kv`, `head_args`, the strategies `recent` / `seeds`, the exact
   dense page model (`tokens_per_page`, `pages_for`, `SegmentModel`) and error-kind matching (`same_error_kind`).
 - Snapshots for "a bad call changes nothing": `cache_state`, `same`.
-- The cache's internals, reached ONLY through the small functions below (`segment_entries`, `segment_at`,
-  `segment_kind`, `cursor`, `packed_store`, `tier_store`, `set_view_run_cap`, `wrap_pressure_plan`,
-  `sink_segment_starts`, `cache_state`): when the cache's private state moves, these are the one place the tests adapt.
+- The cache's and the pool's internals, reached ONLY through the small functions below (`segment_entries`,
+  `segment_at`, `segment_kind`, `cursor`, `packed_store`, `tier_store`, `set_view_run_cap`, `wrap_pressure_plan`,
+  `sink_segment_starts`, `cache_state`, `page_io`, `segment_index`, `sequencer_spec`, `chunk_packer`,
+  `cached_plans`, `newest_view_plan`, `read_slots`, `deferred_owners`, `owner_pages_now`): when the private state
+  moves, these are the one place the tests adapt (tests/test_architecture.py checks no other test file reads a
+  private attribute of a pagedqvg object).
 - Where the Triton kernel tests run: `kernel_device` says why in-process kernel tests skip when triton was already
   imported in compiled mode without a GPU, and `rerun_interpreted` runs a test file again in a fresh interpreted
   process (kernels never pass silently); `compiled_mode_json` runs a compiled-mode check in a subprocess; bit
@@ -253,6 +256,51 @@ def wrap_pressure_plan(cache: PagedCausalKVCache, wrap: Callable[[Callable], Cal
 def sink_segment_starts(cache: PagedCausalKVCache) -> Any:
     """Global starts of the segments holding sink or pinned slots (they follow the sink pack policy)."""
     return policy.sink_segment_starts(cache._seq)
+
+
+def page_io(cache: PagedCausalKVCache) -> Any:
+    """The cache's `PageIO` (its pages' rows, plan cache and kernel backend)."""
+    return cache._io
+
+
+def segment_index(cache: PagedCausalKVCache) -> Any:
+    """The cache's segment index (`RangeIndex` of global token ranges -> `Segment`), iterated in order."""
+    return cache._seq.index
+
+
+def sequencer_spec(cache: PagedCausalKVCache) -> Any:
+    """The cache's `CacheSpec` (geometry in slots)."""
+    return cache._seq.spec
+
+
+def chunk_packer(cache: PagedCausalKVCache) -> Any:
+    """The cache's `ChunkPacker` (its tier stores, pressure deferrals)."""
+    return cache._packer
+
+
+def cached_plans(io: Any) -> dict:
+    """The plan cache of a `PageIO` (key -> plan), oldest entry first."""
+    return io._plans
+
+
+def newest_view_plan(cache: PagedCausalKVCache) -> Any:
+    """The plan of the cache's newest view (the newest "v" entry of its plan cache)."""
+    return [p for key, p in cache._io._plans.items() if key[0] == "v"][-1]
+
+
+def read_slots(cache: PagedCausalKVCache, what: str) -> torch.Tensor:
+    """Every head of the filled slots `[2, B, L, H, D]` (the subclass helper `_read_slots`)."""
+    return cache._read_slots(what)
+
+
+def deferred_owners(pool: Any) -> int:
+    """Owners queued by finalizers, whose pages go back at the pool's next operation."""
+    return len(pool._deferred)
+
+
+def owner_pages_now(pool: Any, owner: str) -> int:
+    """Pages `owner` holds, read without a pool operation (`pages_of` would first give queued owners' pages back)."""
+    return pool._owner_pages[owner]
 
 
 # ------------------------------------------------------------------------------------------------ Triton kernel tests

@@ -2,8 +2,7 @@
 chunk loop (per chunk: denoising steps that rewrite the chunk's K/V, then a clean pass) over KV caches built by the real
 `CausalDMDDenoisingStage._allocate_causal_kv_cache`: SGLang's dense cache, and pagedqvg installed with
 attention `view` / `pages`, quantization off, int2 and compact (pages also with 16-token attention tiles, so that the
-window spans several and their log-sum-exp merge runs; int2 and compact pages also with the key-noise score
-correction, `-keynoise`, pagedqvg/attention/key_noise.py); for bf16 also SGLang's dense cache with its attention
+window spans several and their log-sum-exp merge runs); for bf16 also SGLang's dense cache with its attention
 computed in
 fp32 (the noise floor of bf16 rounding here). Prints one JSON object per dtype: each run's relative L2 error of the
 final latents against the dense cache's run in that dtype, how many self-attention calls attended from pages, and
@@ -135,13 +134,10 @@ def allocate(sgl, quant: dict | None, dtype: torch.dtype) -> list:
     )  # fmt: skip
 
 
-def run_installed(sgl, model, dense, dtype, mode: str, quant: dict | None, tile: int | None,
-                  key_noise: bool = False) -> dict:  # fmt: skip
+def run_installed(sgl, model, dense, dtype, mode: str, quant: dict | None, tile: int | None) -> dict:
     """One loop with pagedqvg installed (`mode`, `quant`; `tile`: attention tiles of that many tokens, so the
-    window spans several and their log-sum-exp merge runs; `key_noise`: the key-noise score correction on every
-    attention from pages): its error against `dense` and how many self-attention calls attended from pages."""
-    import functools
-
+    window spans several and their log-sum-exp merge runs): its error against `dense` and how many self-attention
+    calls attended from pages."""
     from pagedqvg.attention import pages as attention
     from pagedqvg.integrations.sglang import attention as sglang_attention
     from pagedqvg.integrations.sglang import integration as integ
@@ -150,7 +146,6 @@ def run_installed(sgl, model, dense, dtype, mode: str, quant: dict | None, tile:
     integ.install(budget_bytes=64 << 20, attention=mode)
     calls = {"pages": 0}
     original, tile_before = sglang_attention.PendingPages.attend, attention.ATTN_TILE_TOKENS
-    attend_before = attention.attend_pages
 
     def counted(self, query, scale):
         calls["pages"] += 1
@@ -158,8 +153,6 @@ def run_installed(sgl, model, dense, dtype, mode: str, quant: dict | None, tile:
 
     sglang_attention.PendingPages.attend = counted
     attention.ATTN_TILE_TOKENS = tile or tile_before
-    if key_noise:  # PendingPages.attend imports attention.attend_pages at call time
-        attention.attend_pages = functools.partial(attend_before, key_noise=True)
     try:
         with sglang_sessions.request_scope(None):  # one request, as the stage's forward hook makes it
             caches = allocate(sgl, quant, dtype)
@@ -173,7 +166,6 @@ def run_installed(sgl, model, dense, dtype, mode: str, quant: dict | None, tile:
     finally:
         sglang_attention.PendingPages.attend = original
         attention.ATTN_TILE_TOKENS = tile_before
-        attention.attend_pages = attend_before
         integ.uninstall()
     return {"relative_l2": float((got - dense).norm() / dense.norm()), "attend_from_pages_calls": calls["pages"],
             "session": session}  # fmt: skip
@@ -209,12 +201,11 @@ def main(src: str) -> dict:
         with torch.no_grad(), sgl.runtime(dtype):
             model = build_model(sgl, dtype)
             dense = run_loop(sgl, model, allocate(sgl, None, dtype), dtype)  # SGLang's own cache (not installed)
-            runs = [("view", "off", None, None, False), ("view", "int2", INT2, None, False),
-                    ("pages", "off", None, None, False), ("pages", "int2", INT2, None, False),
-                    ("pages", "off-tile16", None, 16, False), ("pages", "int2-keynoise", INT2, None, True),
-                    ("pages", "compact", COMPACT, None, False), ("pages", "compact-keynoise", COMPACT, None, True)]
-            for mode, name, quant, tile, key_noise in runs:
-                out[f"{mode}-{name}"] = run_installed(sgl, model, dense, dtype, mode, quant, tile, key_noise)
+            runs = [("view", "off", None, None), ("view", "int2", INT2, None), ("pages", "off", None, None),
+                    ("pages", "int2", INT2, None), ("pages", "off-tile16", None, 16),
+                    ("pages", "compact", COMPACT, None)]
+            for mode, name, quant, tile in runs:
+                out[f"{mode}-{name}"] = run_installed(sgl, model, dense, dtype, mode, quant, tile)
             if dtype != torch.float32:
                 out["dense-fp32-attention"] = run_fp32_attention(sgl, model, dense, dtype)
     return results

@@ -15,7 +15,7 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.nn.functional as F
-from helpers import rerun_interpreted, triton_kernels  # sets TRITON_INTERPRET
+from helpers import newest_view_plan, page_io, rerun_interpreted, triton_kernels  # sets TRITON_INTERPRET
 
 from pagedqvg import BlockPool, PagedCausalKVCache, QuantConfig
 from pagedqvg.attention.pages import plan_sources
@@ -50,8 +50,8 @@ def filled_cache(quant, dtype, *, H=3, D=32, chunk=16, chunks=4, sink=None, wind
         k, v, q = (torch.randn(1, chunk, hin, D, generator=gen).to(dtype).to(device) for _ in range(3))
         view = c.update_and_get_attention_kv(key=k, value=v, current_chunk_start=chunk * step,
                                              cache_head_start=head_start if hin != H else None)  # fmt: skip
-    plan = [p for key, p in c._io._plans.items() if key[0] == "v"][-1]  # the last view's plan (newest entry)
-    args = AttendArgs(q, c._io.rows, *plan_sources(c._io, plan), head_start, plan.tokens, D**-0.5)
+    plan = newest_view_plan(c)  # the last view's plan
+    args = AttendArgs(q, page_io(c).rows, *plan_sources(page_io(c), plan), head_start, plan.tokens, D**-0.5)
     return c, view, q, args
 
 
@@ -146,17 +146,26 @@ def test_planner_pages_budget_counts_the_triton_path():
 
 
 def test_forced_splits_setter(monkeypatch):
-    monkeypatch.setattr(asp, "_forced", [None])
-    asp.set_forced_splits(4)
-    assert asp.forced_splits() == 4
-    asp.set_forced_splits(None)
-    assert asp.forced_splits() is None
-    for bad in (0, -1, 2.0, True):
-        with pytest.raises(ValueError, match="splits="):
-            asp.set_forced_splits(bad)
-    monkeypatch.setenv("PAGEDQVG_ATTN_SPLITS", "x")
-    with pytest.raises(ValueError, match="PAGEDQVG_ATTN_SPLITS='x'"):
-        asp._env_splits()
+    monkeypatch.delenv("PAGEDQVG_ATTN_SPLITS", raising=False)
+    try:
+        asp.set_forced_splits(4)
+        assert asp.forced_splits() == 4
+        monkeypatch.setenv("PAGEDQVG_ATTN_SPLITS", "2")
+        assert asp.forced_splits() == 4  # the setter overrides the variable
+        asp.set_forced_splits(None)
+        assert asp.forced_splits() is None
+        for bad in (0, -1, 2.0, True):
+            with pytest.raises(ValueError, match="splits="):
+                asp.set_forced_splits(bad)
+        asp.set_forced_splits(None, from_env=True)
+        assert asp.forced_splits() == 2  # the variable, read at call time
+        monkeypatch.setenv("PAGEDQVG_ATTN_SPLITS", "")
+        assert asp.forced_splits() is None
+        monkeypatch.setenv("PAGEDQVG_ATTN_SPLITS", "x")
+        with pytest.raises(ValueError, match="PAGEDQVG_ATTN_SPLITS='x'"):
+            asp.forced_splits()
+    finally:
+        asp.set_forced_splits(None, from_env=True)
 
 
 # ------------------------------------------------------------------------------------------- Triton (interpreter)
@@ -261,7 +270,7 @@ def test_update_and_attend_through_forced_splits(monkeypatch):
     a_cache, *_ = filled_cache(None, torch.bfloat16, H=2, D=16, chunk=16, steps=1, monkeypatch=monkeypatch)
     b_cache, *_ = filled_cache(None, torch.bfloat16, H=2, D=16, chunk=16, steps=1, monkeypatch=monkeypatch,
                                backend="triton", device=DEVICE)  # fmt: skip
-    assert b_cache._io.backend == "triton" and a_cache._io.backend == "torch"
+    assert page_io(b_cache).backend == "triton" and page_io(a_cache).backend == "torch"
     gen = torch.Generator().manual_seed(9)
     k, v = (torch.randn(1, 16, 2, 16, generator=gen).bfloat16() for _ in range(2))
     q = torch.randn(1, 70, 2, 16, generator=gen).bfloat16()

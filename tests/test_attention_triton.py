@@ -15,7 +15,7 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.nn.functional as F
-from helpers import rerun_interpreted, triton_kernels  # sets TRITON_INTERPRET
+from helpers import newest_view_plan, page_io, rerun_interpreted, triton_kernels  # sets TRITON_INTERPRET
 
 from pagedqvg import BlockPool, PagedCausalKVCache, QuantConfig
 from pagedqvg.attention.pages import plan_sources
@@ -43,7 +43,7 @@ def twins(monkeypatch, quant, dtype, *, B=1, H=3, D=32, chunk=16, chunks=4, sink
                                       dtype=dtype, device=DEVICE, sink_tokens=chunk if sink is None else sink,
                                       global_sink_tokens=chunk if sink is None else sink,
                                       attention_window_size=window, quant=quant, name="c"))  # fmt: skip
-    assert out[1]._io.backend == "triton" and out[0]._io.backend == "torch"
+    assert page_io(out[1]).backend == "triton" and page_io(out[0]).backend == "torch"
     return out
 
 
@@ -131,8 +131,8 @@ def test_reference_is_fp64_sdpa_on_the_view(quant):
     for step in range(4):
         k, v, q = (torch.randn(1, 16, 2, 32, generator=gen).bfloat16() for _ in range(3))
         view = c.update_and_get_attention_kv(key=k, value=v, current_chunk_start=16 * step)
-        plan = [p for key, p in c._io._plans.items() if key[0] == "v"][-1]  # this view's plan (newest entry)
-        got = attend_runs_torch(q, c._io.rows, *plan_sources(c._io, plan), 0, plan.tokens, 32**-0.5)
+        plan = newest_view_plan(c)  # this view's plan
+        got = attend_runs_torch(q, page_io(c).rows, *plan_sources(page_io(c), plan), 0, plan.tokens, 32**-0.5)
         want = sdpa(q.double(), view.k.double(), view.v.double()).to(torch.bfloat16)
         assert torch.equal(got, want)
 
@@ -142,59 +142,3 @@ def test_reference_is_fp64_sdpa_on_the_view(quant):
 def test_interpreter_in_subprocess():
     """Fallback when this process imported triton in compiled mode and has no GPU: rerun this file interpreted."""
     rerun_interpreted(__file__)
-
-
-NOISE_CASES = [("int2", torch.bfloat16), ("int4-asym", torch.float32), ("trits", torch.float16),
-               ("compact", torch.bfloat16)]  # fmt: skip
-
-
-@needs_kernels
-@pytest.mark.parametrize(("quant", "dtype"), NOISE_CASES, ids=[f"{q}-{str(d)[6:]}" for q, d in NOISE_CASES])
-def test_kernel_key_noise_correction(monkeypatch, quant, dtype):
-    """`key_noise_correction=True` through the kernel (`KEY_NOISE`): within 1.5x SDPA-on-view's error of the fp64
-    corrected reference (`attend_runs_torch(key_noise=True)`), and so is the torch path on the same calls."""
-    a, b = twins(monkeypatch, QUANTS[quant], dtype)
-    monkeypatch.setenv("PAGEDQVG_KERNELS", "torch")
-    c = twins(monkeypatch, QUANTS[quant], dtype)[0]  # the torch path's twin
-    B, H, D = a.batch_size, a.num_cache_heads, a.head_dim
-    gen = torch.Generator().manual_seed(5)
-    packed_seen = 0
-    for step in range(4):
-        k, v, q = (data(gen, B, 16, H, D, dtype) for _ in range(3))
-        view = a.update_and_get_attention_kv(key=k, value=v, current_chunk_start=16 * step)
-        packed_seen += sum(1 for *_, kind in a.last_view_sources() if kind == "packed")
-        plan = [p for key, p in a._io._plans.items() if key[0] == "v"][-1]
-        args = (a._io.rows, *plan_sources(a._io, plan), 0, plan.tokens, D**-0.5)
-        ref = attend_runs_torch(q.double(), *args, key_noise=True)
-        plain = attend_runs_torch(q.double(), *args)
-        e_sdpa = (sdpa(q, view.k, view.v).double() - plain).norm().item()
-        for cache in (b, c):
-            out = cache.update_and_attend(q, key=k, value=v, current_chunk_start=16 * step, key_noise_correction=True)
-            e = (out.double() - ref).norm().item()
-            assert e <= RATIO * e_sdpa, (cache._io.backend, e, e_sdpa, step)
-    assert packed_seen > 0
-
-
-_KEY_NOISE_SM90 = """
-import json
-from tools.triton_report import resources as tr
-from tools.triton_report.aot import compile_resources
-from pagedqvg.kernels.attention.triton_attention import BLOCK_N_KEY_NOISE
-launches = tr.launches(tr.model_shapes()[0])
-out = {}
-for name in tr.formats():
-    kernel, grid, args, kwargs = launches[f"attention/{name}"]
-    out[name] = compile_resources((kernel, grid, args, dict(kwargs, KEY_NOISE=True, BLOCK_N=BLOCK_N_KEY_NOISE)), 90)
-print("JSON" + json.dumps(out))
-"""
-
-
-def test_key_noise_kernel_compiles_for_sm90_without_spills():
-    """The `KEY_NOISE` variant at LingBot-World's shape, every packed format, its key block (`BLOCK_N_KEY_NOISE`):
-    compiled for sm_90 with Triton's ptxas, 0 spills (measured 230-244 registers; at 32 key rows it spilled)."""
-    from helpers import compiled_mode_json
-
-    rows = compiled_mode_json(_KEY_NOISE_SM90)
-    assert set(rows) == {"int4", "int2", "compact"}
-    for name, r in rows.items():
-        assert r["spill_stores"] == 0 and r["spill_loads"] == 0 and 0 < r["registers"] <= 255, (name, r)

@@ -24,6 +24,8 @@ from collections import Counter
 
 import pytest
 import torch
+from helpers import page_io as cache_page_io
+from helpers import read_slots, segment_index
 from test_threads import CACHES_PER_THREAD, PAGE_BYTES, kv, make_caches, random_program, run_call
 
 import pagedqvg.store.packed_store as packing
@@ -62,16 +64,16 @@ class Injector:
 
 
 def state(cache) -> tuple:
-    segs = [(e.start, e.end, len(e.value.pages), str(e.value.kind)) for e in cache._seq.index]
+    segs = [(e.start, e.end, len(e.value.pages), str(e.value.kind)) for e in segment_index(cache)]
     return (cache.global_end_index_int, cache.local_end_index_int, cache.pinned_range, segs)
 
 
 def rows(cache) -> torch.Tensor:
-    return cache._read_slots("check")
+    return read_slots(cache, "check")
 
 
 def check_pages(cache, pool: BlockPool) -> None:
-    listed = [p for e in cache._seq.index for p in e.value.pages]
+    listed = [p for e in segment_index(cache) for p in e.value.pages]
     assert len(set(listed)) == len(listed)
     owners = debug_state(pool)[1]
     assert all(owners[p] == cache.owner for p in listed), "a segment lists a page its cache does not own"
@@ -185,16 +187,16 @@ def test_a_rolled_back_call_keeps_the_segment_objects(monkeypatch):
     for chunk in range(2):
         k, v = kv(chunk, 4, cache.num_cache_heads)
         cache.update_and_get_attention_kv(key=k, value=v, current_chunk_start=4 * chunk)
-    before = [(e.start, e.end, e.value, list(e.value.pages), e.value.kind) for e in cache._seq.index]
+    before = [(e.start, e.end, e.value, list(e.value.pages), e.value.kind) for e in segment_index(cache)]
 
     def fail(*args, **kwargs):
         raise RuntimeError("CUDA error: an illegal memory access was encountered (injected)")
 
-    monkeypatch.setattr(cache._io, "write", fail)
+    monkeypatch.setattr(cache_page_io(cache), "write", fail)
     k, v = kv(2, 4, cache.num_cache_heads)
     with pytest.raises(RuntimeError, match="illegal memory access"):
         cache.update_and_get_attention_kv(key=k, value=v, current_chunk_start=8)
-    after = [(e.start, e.end, e.value, list(e.value.pages), e.value.kind) for e in cache._seq.index]
+    after = [(e.start, e.end, e.value, list(e.value.pages), e.value.kind) for e in segment_index(cache)]
     assert [x[:2] + x[3:] for x in after] == [x[:2] + x[3:] for x in before]
     assert all(a[2] is b[2] for a, b in zip(after, before, strict=True))
     pool.check()

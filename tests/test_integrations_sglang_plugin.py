@@ -9,6 +9,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from helpers import sequencer_spec
 
 from pagedqvg import BlockPool, IntegrationError, QuantConfig
 from pagedqvg.integrations.sglang import integration as integ
@@ -204,7 +205,7 @@ def test_base_hook_builds_paged_caches_and_quant_override(configured):
     _override(QuantConfig.from_dict({"kv_cache_quant": "int2", "kv_cache_quant_centroids": "4"}))
     packed = integ.allocate_around(original, _Stage(), **ARGS)
     assert [type(c) for c in packed] == [integ.PagedQVGPackedCausalKVCache] * 2
-    assert packed[0]._seq.spec.global_sink_tokens == 2  # SGLang's QVG path refuses a global sink
+    assert sequencer_spec(packed[0]).global_sink_tokens == 2  # SGLang's QVG path refuses a global sink
 
 
 def test_tier_variables_reach_the_packed_caches(configured):

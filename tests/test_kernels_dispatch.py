@@ -22,16 +22,15 @@ def test_backend_choice(monkeypatch):
         dispatch.kernel_backend("cpu")
 
 
-def test_index_checks_name_the_bad_range(monkeypatch):
+def test_index_checks_name_the_bad_range(debug_on):
     rows = torch.zeros(3, 4, 1, 2)  # 3 pages x 4 row slots
     ok_pages, ok_slots = torch.tensor([[[0, 2]]]), torch.tensor([[[3, 0]]])
-    monkeypatch.setattr(debug, "_enabled", True)
     dispatch._check_rows(rows, ok_pages, ok_slots)
     with pytest.raises(IndexError, match=r"slot index out of range: 0..4, valid 0..3"):
         dispatch._check_rows(rows, ok_pages, torch.tensor([[[4, 0]]]))
     with pytest.raises(IndexError, match=r"page index out of range: -1..2, valid 0..2"):
         dispatch._check_rows(rows, torch.tensor([[[-1, 2]]]), ok_slots)
-    monkeypatch.setattr(debug, "_enabled", False)
+    debug.set_debug_checks(False)  # the fixture restores the suite's setting
     dispatch._check_rows(rows, ok_pages, torch.tensor([[[4, 0]]]))  # off by default: no host sync
 
 

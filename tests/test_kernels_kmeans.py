@@ -176,9 +176,8 @@ def test_kmeans_update_dispatch_and_bad_arguments(monkeypatch):
 
 
 @needs_kernels
-def test_kmeans_update_ids_out_of_range_checked(monkeypatch):
+def test_kmeans_update_ids_out_of_range_checked(monkeypatch, debug_on):
     monkeypatch.setenv("PAGEDQVG_KERNELS", "triton")
-    monkeypatch.setenv("PAGEDQVG_KERNEL_CHECKS", "1")
     x = torch.randn(1, 3, 16, device=DEVICE)
     with pytest.raises(IndexError, match=r"centroid id out of range: 0\.\.3, valid 0\.\.2"):
         dispatch.kmeans_update(x, torch.tensor([[0, 3, 1]], device=DEVICE), torch.zeros(1, 3, 16, device=DEVICE))

@@ -200,11 +200,10 @@ def test_residual_pack_strided_inputs_and_dispatch(monkeypatch):
 
 
 @pytest.mark.parametrize("backend", ["torch", "triton"])
-def test_residual_pack_bad_arguments_change_nothing(backend, monkeypatch):
+def test_residual_pack_bad_arguments_change_nothing(backend, monkeypatch, debug_on):
     if backend == "triton" and DEVICE is None:
         pytest.skip(WHY)
     monkeypatch.setenv("PAGEDQVG_KERNELS", backend)
-    monkeypatch.setenv("PAGEDQVG_KERNEL_CHECKS", "1")
     dev = DEVICE if backend == "triton" else torch.device("cpu")
     gen = torch.Generator().manual_seed(2)
     fmt = PackedFormat(head_dim=16, num_heads=2, cfg=Q_INT2)

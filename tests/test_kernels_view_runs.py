@@ -264,12 +264,11 @@ def _bad_table_cases(arena: Arena, table: torch.Tensor, T: int):
 
 
 @pytest.mark.parametrize("backend", ["torch", "triton"])
-def test_bad_tables_raise_naming_the_run(monkeypatch, backend):
-    """The reference always, and the Triton path under PAGEDQVG_KERNEL_CHECKS=1, refuse bad table values."""
+def test_bad_tables_raise_naming_the_run(monkeypatch, backend, debug_on):
+    """The reference always, and the Triton path under the debug switch, refuse bad table values."""
     if backend == "triton" and DEVICE is None:
         pytest.skip(WHY)
     monkeypatch.setenv("PAGEDQVG_KERNELS", backend)
-    monkeypatch.setenv("PAGEDQVG_KERNEL_CHECKS", "1")
     case = ("bad", Q_INT2, 1, 2, 16, 0, 2, 1024, 2, None)
     _gen, arena, _plan, table, cb_pages, T = _setup(case, torch.bfloat16)
     out_t = torch.zeros(T, 2, 1, 2, 16, dtype=torch.bfloat16, device=ON)

@@ -15,7 +15,7 @@ import random
 
 import pytest
 import torch
-from helpers import bits, random_bits
+from helpers import bits, cached_plans, random_bits
 
 from pagedqvg import BlockPool
 from pagedqvg.allocator import RangeIndex
@@ -139,7 +139,7 @@ def test_plan_cache_reuses_until_invalidated_and_stays_bounded():
     assert layer.io.write_plan(layer.index, 0, 4, 0, 3) is not w
     for i in range(3 * PLAN_CACHE_SIZE):
         layer.io.remember(("x", i), i)
-        assert len(layer.io._plans) <= PLAN_CACHE_SIZE
+        assert len(cached_plans(layer.io)) <= PLAN_CACHE_SIZE
     assert layer.io.cached(("x", 3 * PLAN_CACHE_SIZE - 1)) == 3 * PLAN_CACHE_SIZE - 1
 
 

@@ -8,6 +8,7 @@ import json
 
 import pytest
 import torch
+from helpers import chunk_packer
 
 from pagedqvg.allocator import BlockPool
 from pagedqvg.cache.paged_cache import PagedCausalKVCache
@@ -130,7 +131,7 @@ def test_the_cache_takes_tiered_configs():
     pool = BlockPool(capacity_bytes=1 << 21, page_bytes=1 << 15)
     base = dict(pool=pool, batch_size=1, cache_size=64, num_heads=2, head_dim=64, dtype=torch.bfloat16, device="cpu")
     cache = PagedCausalKVCache(quant=QuantConfig(bits=2, recent_format="int4"), **base)
-    assert set(cache._packer.stores) == {"int2", "int4"}
+    assert set(chunk_packer(cache).stores) == {"int2", "int4"}
     cache.close()
     PagedCausalKVCache(quant=QuantConfig(bits=2, sink_format="int2"), **base).close()  # the history's: not tiered
     assert pool.stats().used_pages == 0

@@ -14,6 +14,7 @@ import os
 import pytest
 import torch
 from dense_reference import DenseReferenceCache
+from helpers import cached_plans, page_io, segment_index
 from torch.utils._python_dispatch import TorchDispatchMode
 
 import pagedqvg
@@ -120,13 +121,13 @@ def test_debug_switch_turns_the_index_checks_on(production):
 def test_an_advance_keeps_the_row_indices_of_unchanged_segments(production):
     cache, ref, k, v = filled()
     repeat(cache, k, v)
-    before = {e.start: e.value.row_index for e in cache._seq.index}
+    before = {e.start: e.value.row_index for e in segment_index(cache)}
     assert all(x is not None for x in before.values())
     s = 10 * CHUNK
     got = cache.update_and_get_attention_kv(key=k[:, s : s + CHUNK], value=v[:, s : s + CHUNK], current_chunk_start=s)
     want = ref.update_and_get_attention_kv(key=k[:, s : s + CHUNK], value=v[:, s : s + CHUNK], current_chunk_start=s)
     assert torch.equal(got.k, want.k) and torch.equal(got.v, want.v)
-    after = {e.start: e.value.row_index for e in cache._seq.index}
+    after = {e.start: e.value.row_index for e in segment_index(cache)}
     kept = [g for g in after if g in before]
     assert kept and all(after[g] is before[g] for g in kept)  # the same tensors: not rebuilt
     assert after[s] is not None and s not in before  # only the new segment's index is new
@@ -220,14 +221,14 @@ def test_repeated_view_with_packed_rows_allocates_only_its_view(production, monk
         k, v, kw = k[:, :, h0 : h0 + hin], v[:, :, h0 : h0 + hin], {"cache_head_start": h0}
     if tile is not None:
         monkeypatch.setattr(decode_plan, "DEQUANT_TILE_ELEMS", tile * 2 * B * hin * D)
-        cache._io.invalidate()  # the fill planned this view already
+        page_io(cache).invalidate()  # the fill planned this view already
     s = 4 * 16
     first = repeat(cache, k, v, s, 16, **kw)
     k0, v0 = first.k.clone(), first.v.clone()
     sources = cache.last_view_sources()
     assert sum(kind == "packed" for *_, kind in sources) == 4, sources
     if tile is not None:
-        plans = [p.runs_plan.packed for p in cache._io._plans.values() if getattr(p, "runs_plan", None)]
+        plans = [p.runs_plan.packed for p in cached_plans(page_io(cache)).values() if getattr(p, "runs_plan", None)]
         assert [len(p.tiles) for p in plans] == [22]
     view = assert_allocation_free(lambda: repeat(cache, k, v, s, 16, **kw), reuse)
     calls = no_host_reads(monkeypatch)
@@ -236,10 +237,10 @@ def test_repeated_view_with_packed_rows_allocates_only_its_view(production, monk
     assert calls == [], calls
     assert torch.equal(view.k, k0) and torch.equal(view.v, v0)
     o = 0
-    for entry in cache._seq.index:
+    for entry in segment_index(cache):
         n = entry.end - entry.start
         if entry.value.packed:
-            dense = cache._io.dequantize_segment(entry)  # [n, 2, B, H, D] by packed_dequant_torch
+            dense = page_io(cache).dequantize_segment(entry)  # [n, 2, B, H, D] by packed_dequant_torch
             want = dense[:, :, :, h0 : h0 + hin].permute(1, 2, 0, 3, 4)
         else:
             want = torch.stack([k[:, entry.start : entry.end], v[:, entry.start : entry.end]])

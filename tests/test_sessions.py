@@ -128,11 +128,24 @@ def test_idle_lease_reclaims_and_touch_renews():
 
 
 def test_open_reclaims_before_refusing():
+    """A session dropped without close() holds its reservation until reclaimed; an open that would not fit
+    reclaims it first (instead of refusing), so the second open succeeds and counts one reclaimed session."""
     pool = BlockPool(capacity_bytes=30 * PAGE, page_bytes=PAGE)
     manager = SessionManager(pool)
     s = spec()
-    manager.open(s)  # dropped at once
-    manager.open(s).close()
+    need = manager.planned_pages(s)
+    assert need <= 30 < 2 * need  # one session fits the pool, two do not
+    gc.disable()  # the dropped session stays uncollected until the manager reclaims it
+    try:
+        manager.open(s)  # dropped at once
+        assert manager.open_sessions == 1 and manager.reserved_pages() == need and manager.reclaimed == 0
+        second = manager.open(s)
+    finally:
+        gc.enable()
+    assert manager.reclaimed == 1 and manager.open_sessions == 1 and manager.reserved_pages() == need
+    assert not second.closed
+    second.close()
+    assert manager.open_sessions == 0 and manager.reserved_pages() == 0 and pool.stats().used_pages == 0
 
 
 def test_open_waits_for_a_close():

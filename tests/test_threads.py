@@ -28,6 +28,7 @@ from collections import Counter
 
 import pytest
 import torch
+from helpers import chunk_packer, deferred_owners, owner_pages_now
 
 from pagedqvg import BlockPool, PagedCausalKVCache, PoolExhaustedError, QuantConfig
 from pagedqvg.allocator.pool import exhausted_error
@@ -129,7 +130,7 @@ def run_program(pool: BlockPool, ops: list[tuple], seed: int, quant: bool, label
             continue
         try:
             res = run_call(caches[op[1]], op, seed * 100_003 + i)
-            if len(res) == 4 and caches[op[1]]._packer.deferred_for_room:
+            if len(res) == 4 and chunk_packer(caches[op[1]]).deferred_for_room:
                 # A pack the policy put off because the (shared) pool had no room leaves that chunk bf16 where the
                 # other run packed it: from then on this cache's view values are not comparable (indices are).
                 res = ("ok", None, None, res[3])
@@ -249,7 +250,7 @@ def test_finalizer_frees_at_the_next_pool_operation_not_inside_one():
     owner = cache.owner
     del cache
     gc.collect()
-    assert len(pool._deferred) == 1 and pool._owner_pages[owner] == held  # queued, nothing freed yet
+    assert deferred_owners(pool) == 1 and owner_pages_now(pool, owner) == held  # queued, nothing freed yet
     assert pool.pages_of(owner) == 0 and pool.stats().used_pages == 0  # the next pool operation gave them back
     pool.check()
 
@@ -288,4 +289,53 @@ def test_exhausted_error_under_concurrent_owner_changes(fast_switching):
     for w in workers:
         w.join()
     assert not failures, failures
+    pool.check()
+
+
+def _lock_free_elsewhere(pool: BlockPool) -> bool:
+    """Whether another thread can take the pool's lock now (a re-entrant lock: the holder itself always can)."""
+    got: list[bool] = []
+
+    def probe() -> None:
+        ok = pool.lock.acquire(timeout=0.05)
+        if ok:
+            pool.lock.release()
+        got.append(ok)
+
+    t = threading.Thread(target=probe)
+    t.start()
+    t.join()
+    return got[0]
+
+
+def test_pool_transaction_commits_rolls_back_and_always_releases_the_lock():
+    """`BlockPool.transaction(owner)`: the lock is held inside (no other thread takes it), a normal exit keeps the
+    owner's allocations and frees, an exception undoes them (pages taken back, freed pages returned with their bytes)
+    and propagates; the lock is free again afterwards in both cases, and no journal stays open."""
+    from pagedqvg.allocator.pool import debug_state
+
+    pool = BlockPool(capacity_bytes=8 * 1024, page_bytes=1024)
+    held = pool.alloc(3, "a")
+    for i, p in enumerate(held):
+        pool.arena[p * 1024 : (p + 1) * 1024] = i + 1
+    with pool.transaction("a"):
+        assert not _lock_free_elsewhere(pool)
+        taken = pool.alloc(2, "a")
+    assert _lock_free_elsewhere(pool)
+    assert pool.pages_of("a") == 5  # committed
+    before, arena = debug_state(pool), pool.arena.clone()
+    with pytest.raises(RuntimeError, match="boom"), pool.transaction("a"):
+        pool.free(held, "a")
+        pool.arena[held[0] * 1024] = 99  # a freed page overwritten (as another owner's write would)
+        pool.alloc(4, "a")
+        raise RuntimeError("boom")
+    assert _lock_free_elsewhere(pool)
+    assert debug_state(pool) == before and torch.equal(pool.arena, arena)  # undone, bytes included
+    pool.free(taken, "a")
+    with pytest.raises(PoolExhaustedError), pool.transaction("a"):
+        pool.alloc(1, "a")
+        pool.alloc(100, "a")  # refused: the whole transaction is undone
+    assert pool.pages_of("a") == 3 and _lock_free_elsewhere(pool)
+    with pool.transaction("b"):  # the journal closed: a new transaction begins
+        pool.alloc(1, "b")
     pool.check()

@@ -7,10 +7,12 @@ either free or held by exactly one owner (a string such as ``"layer3#7"``). Noth
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import os
 import threading
 from collections import Counter, deque
+from collections.abc import Iterator
 from dataclasses import dataclass
 
 import torch
@@ -399,6 +401,26 @@ class BlockPool:
                 self._owner_of[p] = owner
             self._owner_pages[owner] += len(pages)
             rows.index_copy_(0, torch.tensor(pages, dtype=torch.int64, device=self.device), data)
+
+    # ------------------------------------------------------------ transaction (lock + journal in one place)
+    @contextlib.contextmanager
+    def transaction(self, owner: str) -> Iterator[None]:
+        """`with pool.transaction(owner):` — take `lock`, journal `owner`'s allocations and frees (`journal_begin`);
+        on normal exit keep them (`journal_end`), on an exception undo them (`journal_rollback`: pages taken go back,
+        pages freed return with their bytes) and re-raise; `lock` is released in every case. A cache runs a call that
+        changes pages inside one, so the call either happens whole or not at all, and no other thread takes a page
+        it freed meanwhile. Not re-entrant per pool (PoolInvariantError while another journal is open). O(1) plus
+        the rollback's O(pages moved + free pages)."""
+        with self.lock:
+            if self._deferred:
+                self._drain_deferred()
+            self.journal_begin(owner)
+            try:
+                yield
+            except BaseException:
+                self.journal_rollback()
+                raise
+            self.journal_end()
 
     def _page_words(self) -> torch.Tensor:
         """The arena as `[num_pages, page_bytes / 8]` int64 words (pages are multiples of 256 bytes): the journal

@@ -17,14 +17,16 @@ outputs are no longer rounded to the cache dtype before the merge (which measure
 real LongLive2 stage in bf16 at 16-token tiles; see the README).
 
 Zero rows are keys of score 0 and value 0 (what SDPA over the materialized view sees): they enter as one key set of
-log-sum-exp `log(Z)` and output 0. The result is the merged output cast to the query dtype. `key_noise=True` adds
-the packed keys' noise bias (key_noise.py) to their scores (the flash kernel's additive mask).
+log-sum-exp `log(Z)` and output 0. The result is the merged output cast to the query dtype.
 
 Transient memory is independent of the window length (`attention_scratch_bytes`): the tile buffer and its fp32 copy,
 the merged output and log-sum-exp of the `Tq` query rows, one query block's fp32 copy and output, the result — plus,
 for packed tiles, the dequantization temporaries of `t` tokens (kernels/dequant.py: at most `DEQUANT_TILE_ELEMS` fp32
-elements per step; `packed_decode_bytes`) and with the correction `key_noise_bytes`.
+elements per step; `packed_decode_bytes`).
 The tile table is cached in the `PageIO` plan cache (dropped with the plan by `invalidate`).
+
+On the Triton backend the call goes through the dispatch point (`kernels.dispatch.attend`: one launch of the
+attention kernel, or the split-KV pair), with no tiles.
 
 Cost: O(Tq · T · Hin · D) flops like SDPA; K/V rows are decoded once per call, the fp32 tile read once per query block.
 """
@@ -32,30 +34,26 @@ Cost: O(Tq · T · Hin · D) flops like SDPA; K/V rows are decoded once per call
 from __future__ import annotations
 
 import math
-import warnings
 from dataclasses import dataclass
 
 import torch
 
-from pagedqvg.attention.key_noise import block_variance, noise_bias, packed_rows, rows_on
+from pagedqvg.kernels import dispatch
+from pagedqvg.kernels.ops import AttendArgs
 from pagedqvg.kernels.rows import int64_on
 from pagedqvg.kernels.view.view_runs import DENSE, RUN_COLUMNS, ZERO
 from pagedqvg.layout.attention_scratch import (
     ATTN_QUERY_TILE,
     ATTN_TILE_TOKENS,
     attention_scratch_bytes,
-    key_noise_bytes,
     packed_decode_bytes,
 )
 from pagedqvg.store.page_io import PageIO, ViewPlan
 
 __all__ = [
     "ATTN_QUERY_TILE", "ATTN_TILE_TOKENS", "AttentionTiles", "LseMerge", "attend_pages", "attention_scratch_bytes",
-    "attention_tiles", "check_query", "key_noise_bytes", "merge_dtype", "noise_rows", "packed_decode_bytes",
-    "plan_sources", "tile_attention",
+    "attention_tiles", "check_query", "merge_dtype", "packed_decode_bytes", "plan_sources", "tile_attention",
 ]  # fmt: skip
-
-
 
 @dataclass(frozen=True, slots=True)
 class AttentionTiles:
@@ -164,20 +162,18 @@ def _flash_cpu():
 
 
 def tile_attention(
-    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, bias: torch.Tensor | None = None
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Attention of `q` `[B, h, Tq, D]` over one tile `k`, `v` `[B, h, t, D]` (any strides, one dtype), with an
-    optional fp32 score bias `[B, h, Tq, t]` added to `q·kᵀ·scale`: the output `[B, h, Tq, D]` and its log-sum-exp
+    """Attention `q·kᵀ·scale` of `q` `[B, h, Tq, D]` over one tile `k`, `v` `[B, h, t, D]` (any strides, one
+    dtype): the output `[B, h, Tq, D]` and its log-sum-exp
     `[B, h, Tq]` (fp32). On CPU aten's flash kernel (output in q's dtype, fp32 accumulation; its own scratch per
     thread); elsewhere (or without it) fp32 matmuls with one `[B, h, Tq, t]` fp32 score tile (output fp32: the
     caller bounds `Tq` by query blocks)."""
     flash = _flash_cpu()
     if flash is not None and q.device.type == "cpu":
-        out, lse = flash(q, k, v, attn_mask=bias, scale=scale)
+        out, lse = flash(q, k, v, scale=scale)
         return out, lse
     s = torch.matmul(q.float(), k.float().transpose(-1, -2)).mul_(scale)  # [B, h, Tq, t] fp32 scores
-    if bias is not None:
-        s.add_(bias)
     m = s.amax(-1, keepdim=True)
     s.sub_(m).exp_()
     total = s.sum(-1, keepdim=True)
@@ -234,35 +230,18 @@ def plan_sources(io: PageIO, plan: ViewPlan) -> tuple:
     return None, plan.runs, (st.token_view, st.codebook_rows, plan.cb_pages), st.fmt
 
 
-def _attend_pages_triton(io: PageIO, plan: ViewPlan, head_start: int, query: torch.Tensor, scale: float,
-                         key_noise: bool):  # fmt: skip
-    """The Triton backend's `attend_pages`: one launch of the attention kernel over the plan (no tiles, no
-    scratch besides the output), or for calls with few query blocks x heads the split-KV pair
-    (kernels/triton_attention_split.py; partials scratch: `attention_budget.split_scratch_bytes`)."""
-    from pagedqvg.kernels.attention.triton_attention_split import (
-        attend_triton,  # lazily: importing pagedqvg never imports triton
-    )
-
+def _attend_pages_triton(io: PageIO, plan: ViewPlan, head_start: int, query: torch.Tensor, scale: float):
+    """The Triton backend's `attend_pages`: `dispatch.attend` (one launch of the attention kernel over the plan, no
+    tiles, no scratch besides the output; or for calls with few query blocks x heads the split-KV pair,
+    kernels/attention/triton_attention_split.py, partials scratch: `split_scratch_bytes`)."""
     out = torch.empty(query.shape, dtype=query.dtype, device=query.device)
-    attend_triton(query, io.rows, *plan_sources(io, plan), head_start, plan.tokens, scale, out, key_noise=key_noise)
+    a = AttendArgs(query, io.rows, *plan_sources(io, plan), head_start, plan.tokens, scale)
+    dispatch.attend(a, backend="triton", out=out)
     return out
 
 
-def noise_rows(io: PageIO, cut: AttentionTiles) -> tuple:
-    """Per tile of `cut`, the `(pages, slots)` int64 index of its packed key rows (`key_noise.packed_rows`), or None
-    for a dense tile; cached with the plan (`PageIO`'s plan cache), built on the first corrected call."""
-    key = ("attn-noise", id(cut.plan), cut.tile_tokens)
-    got = io.cached(key)
-    if isinstance(got, tuple) and got[0] is cut:
-        return got[1]
-    runs = cut.host_runs if cut.host_runs is not None else ([[DENSE, 0, 0, 0, 0, 0]],) * len(cut.tiles)
-    rows = tuple(rows_on(packed_rows(r), io.device) for r in runs)
-    io.remember(key, (cut, rows))
-    return rows
-
-
 def _attend_one_tile(io: PageIO, tile: ViewPlan, head_start: int, query: torch.Tensor, scale: float):
-    """A window of one tile (no zero rows, no correction), on CPU: the flash kernel in the cache dtype over the tile;
+    """A window of one tile (no zero rows), on CPU: the flash kernel in the cache dtype over the tile;
     its output is the result (one rounding to the query dtype, as SDPA over the view: the same kernel, same rows)."""
     B, _, hin, D = query.shape
     kv = torch.empty(2, B, tile.tokens, hin, D, dtype=io.dtype, device=io.device)
@@ -271,11 +250,11 @@ def _attend_one_tile(io: PageIO, tile: ViewPlan, head_start: int, query: torch.T
     return out.transpose(1, 2).contiguous()  # the kernel's output is [B, Tq, hin, D] in memory: no copy
 
 
-def _attend_tiles(io: PageIO, cut: AttentionTiles, noise: tuple | None, head_start: int, query: torch.Tensor,
-                  scale: float, query_tile: int) -> torch.Tensor:  # fmt: skip
+def _attend_tiles(io: PageIO, cut: AttentionTiles, head_start: int, query: torch.Tensor, scale: float,
+                  query_tile: int) -> torch.Tensor:  # fmt: skip
     """Tile by tile: the tile built in the cache dtype, upcast to fp32 into a second reused buffer (16-bit caches),
-    attended in fp32 by query blocks of `query_tile` rows (fp32 outputs, with the key-noise bias of its packed keys
-    when `noise` is given) and each block merged into the running output by log-sum-exp (module docstring)."""
+    attended in fp32 by query blocks of `query_tile` rows (fp32 outputs) and each block merged into the running
+    output by log-sum-exp (module docstring)."""
     B, Tq, hin, D = query.shape
     q = query.transpose(1, 2)  # [B, Hin, Tq, D], a view
     qt = min(query_tile, Tq)
@@ -284,20 +263,15 @@ def _attend_tiles(io: PageIO, cut: AttentionTiles, noise: tuple | None, head_sta
     size = 2 * B * cut.tile_tokens * hin * D
     buf = torch.empty(size, dtype=io.dtype, device=io.device)  # the tile's K/V as the view holds them
     buf32 = buf if io.dtype == torch.float32 else torch.empty(size, dtype=torch.float32, device=io.device)
-    for i, tile in enumerate(cut.tiles):
+    for tile in cut.tiles:
         n = 2 * B * tile.tokens * hin * D
         kv = buf[:n].view(2, B, tile.tokens, hin, D)
         io.build_view(tile, head_start, hin, kv)
         kv32 = kv if buf32 is buf else buf32[:n].view(kv.shape).copy_(kv)  # exact upcast
         k, v = kv32[0].transpose(1, 2), kv32[1].transpose(1, 2)
-        var = None
-        if noise is not None and noise[i] is not None:
-            assert io.packed is not None
-            var = block_variance(io.packed.token_view, noise[i], io.packed.fmt, head_start, hin)
         for a in range(0, Tq, qt):
             qb = q[:, :, a : a + qt].float()  # fp32 caches: a view
-            bias = None if var is None else noise_bias(qb, var, scale)
-            merged.add(*tile_attention(qb, k, v, scale, bias), slice(a, a + qt))
+            merged.add(*tile_attention(qb, k, v, scale), slice(a, a + qt))
     return merged.result(query.dtype)
 
 
@@ -310,40 +284,30 @@ def attend_pages(
     *,
     tile_tokens: int | None = None,
     query_tile: int | None = None,
-    key_noise: bool = False,
 ) -> torch.Tensor:
     """`softmax(query·kᵀ·scale)·v` over the rows of `plan` (heads `[head_start, head_start + Hin)` of `io`'s pages),
     without materializing them: tiles of at most `tile_tokens` rows built one at a time into one buffer, each
     attended in fp32 by query blocks of `query_tile` rows and merged by log-sum-exp (see the module docstring; a
-    window of one tile on CPU: one flash call in the cache dtype). `key_noise`: subtract the packed keys' noise
-    term from their scores (key_noise.py). `query` `[B, Tq, Hin, D]` in the cache dtype (checked by the caller).
-    Returns `[B, Tq, Hin, D]` in the query dtype. Transient bytes: `attention_scratch_bytes` (+ `key_noise_bytes`);
+    window of one tile on CPU: one flash call in the cache dtype; the Triton backend: `dispatch.attend`).
+    `query` `[B, Tq, Hin, D]` in the cache dtype (checked by the caller).
+    Returns `[B, Tq, Hin, D]` in the query dtype. Transient bytes: `attention_scratch_bytes`;
     O(Tq · T · Hin · D) flops. Tile sizes default to `ATTN_TILE_TOKENS` and `ATTN_QUERY_TILE` (read at call time)."""
-    key_noise = key_noise and io.packed is not None
     if plan.extras:  # a tiered view with a second packed format (tier_stores.py): attend over the built view
-        return attend_built_view(io, plan, head_start, query, scale, key_noise)
+        return attend_built_view(io, plan, head_start, query, scale)
     if io.backend == "triton":
-        return _attend_pages_triton(io, plan, head_start, query, scale, key_noise)
+        return _attend_pages_triton(io, plan, head_start, query, scale)
     tile_tokens = ATTN_TILE_TOKENS if tile_tokens is None else tile_tokens
     query_tile = ATTN_QUERY_TILE if query_tile is None else query_tile
     cut = attention_tiles(io, plan, tile_tokens)
-    noise = noise_rows(io, cut) if key_noise else None
-    one = len(cut.tiles) == 1 and cut.zero_rows == 0 and (noise is None or noise[0] is None)
+    one = len(cut.tiles) == 1 and cut.zero_rows == 0
     if one and _flash_cpu() is not None and query.device.type == "cpu":
         return _attend_one_tile(io, cut.tiles[0], head_start, query, scale)
-    return _attend_tiles(io, cut, noise, head_start, query, scale, query_tile)
+    return _attend_tiles(io, cut, head_start, query, scale, query_tile)
 
 
-def attend_built_view(
-    io: PageIO, plan: ViewPlan, head_start: int, query: torch.Tensor, scale: float, key_noise: bool = False
-) -> torch.Tensor:
+def attend_built_view(io: PageIO, plan: ViewPlan, head_start: int, query: torch.Tensor, scale: float) -> torch.Tensor:
     """The fallback of `attend_pages` for views holding packed runs of more than one format (a tiered cache,
     `ViewPlan.extras`): build the whole view (`PageIO.build_view`: one `view_runs` plus one read per other format)
     and attend over it as one tile (`_attend_one_tile`: zero rows are in it as zeros, keys of score 0 and value 0,
-    as SDPA over the view). Transient memory: the view's K/V (`2 * B * T * Hin * D` elements) instead of one tile.
-    The key-noise correction is not implemented for such views: with `key_noise` a `UserWarning` says the result
-    is uncorrected."""
-    if key_noise:
-        warnings.warn("key_noise_correction is not implemented for views of several packed formats (a tiered "
-                      "cache): this attention is uncorrected", stacklevel=3)  # fmt: skip
+    as SDPA over the view). Transient memory: the view's K/V (`2 * B * T * Hin * D` elements) instead of one tile."""
     return _attend_one_tile(io, plan, head_start, query, scale).to(query.dtype)

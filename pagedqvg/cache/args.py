@@ -1,4 +1,5 @@
-"""Argument checks of `PagedCausalKVCache` (cache.py): constructor arguments and the K/V of a call.
+"""Argument checks of `PagedCausalKVCache` (cache.py): constructor arguments and the K/V of a call; and the
+cached plans of a repeated call (`RepeatedCall`).
 
 Each check raises the typed error the cache documents, with a message that names the values and what would be
 valid, before anything changes. None reads tensor data (no reductions, no device sync) except `cursor_tensor`, which
@@ -7,6 +8,8 @@ reads a given cursor's value once at construction.
 
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import torch
 
 from pagedqvg.allocator import BlockPool
@@ -14,10 +17,12 @@ from pagedqvg.errors import CacheConfigError
 from pagedqvg.layout.segments import DenseTokenLayout
 from pagedqvg.quant import QuantConfig
 from pagedqvg.store.packed_store import PackedStore
+from pagedqvg.store.page_io import ViewPlan, WritePlan
 from pagedqvg.store.tier_stores import TierStore, tier_stores
 from pagedqvg.validation import as_index, page_bytes_at_least
 
 __all__ = [
+    "RepeatedCall",
     "check_device",
     "check_kv",
     "check_quant",
@@ -27,6 +32,7 @@ __all__ = [
     "layer_stores",
     "packed_store",
     "recent_window",
+    "removed_keywords_error",
     "tier_store_map",
 ]
 
@@ -190,3 +196,24 @@ def layer_stores(
     store of every tier format; CacheConfigError naming a bad field or tier."""
     history = packed_store(pool, layout, quant)
     return history, tier_store_map(pool, layout, quant, history)
+
+
+def removed_keywords_error(removed: dict[str, object]) -> TypeError:
+    """The TypeError of unknown keywords of `update_and_attend`; `key_noise_correction` says why it went."""
+    if "key_noise_correction" in removed:
+        return TypeError(
+            "update_and_attend() no longer takes key_noise_correction: the key-noise score correction was removed "
+            "because it was measured not to help (worse in 11 of 12 synthetic cases and on the real LongLive2 "
+            "stage; docs/NUMBERS.md#key-noise-correction)"
+        )
+    return TypeError(f"update_and_attend() got unexpected keyword arguments {sorted(removed)}")
+
+
+class RepeatedCall(NamedTuple):
+    """The cached plans of an in-place rewrite, reused by the same call repeated (a later denoise step)."""
+
+    local_start: int
+    local_end: int
+    write_plan: WritePlan  # where the chunk's rows go
+    ranges: list[tuple[int, int]]  # the view's slot ranges
+    view_plan: ViewPlan  # where the view's rows come from

@@ -11,16 +11,14 @@ so every error leaves the cache and the pool exactly as they were.
 
 from __future__ import annotations
 
-import copy
-import functools
 import weakref
-from typing import NamedTuple
 
 import torch
 
 from pagedqvg.allocator import BlockPool, RangeEntry
 from pagedqvg.attention.pages import attend_pages, check_query
 from pagedqvg.cache.args import (
+    RepeatedCall,
     check_device,
     check_kv,
     check_quant,
@@ -28,13 +26,15 @@ from pagedqvg.cache.args import (
     dense_layout,
     layer_stores,
     recent_window,
+    removed_keywords_error,
 )
 from pagedqvg.cache.packing import ChunkPacker
-from pagedqvg.cache.readout import CacheReadout
+from pagedqvg.cache.readout import CacheReadout, readout_method, readout_property
 from pagedqvg.cache.sequencing import CacheSpec, CallPlan, Sequencer
+from pagedqvg.cache.transaction import CallTransaction, holding_pool_lock
 from pagedqvg.errors import CacheClosedError, CacheConfigError
 from pagedqvg.quant import QuantConfig
-from pagedqvg.store.page_io import PageIO, ViewPlan, WritePlan
+from pagedqvg.store.page_io import PageIO, ViewPlan
 from pagedqvg.store.segment import Segment
 from pagedqvg.validation import SUPPORTED_DTYPES, as_index, check_int
 from pagedqvg.view import CausalAttentionKVView
@@ -42,32 +42,10 @@ from pagedqvg.view import CausalAttentionKVView
 __all__ = ["PagedCausalKVCache", "make_layer_caches"]
 
 
-def _holding_pool_lock(method):
-    """Run a cache method holding its pool's lock: its check-then-act steps on the pool (free pages counted, then
-    pages freed and taken; packing) are atomic with respect to other threads driving other caches of the pool."""
-
-    @functools.wraps(method)
-    def wrapper(self, *args, **kwargs):
-        with self.pool.lock:
-            return method(self, *args, **kwargs)
-
-    return wrapper
-
-
 _VIEW_CALL = "update_and_get_attention_kv"
 
 
-class RepeatedCall(NamedTuple):
-    """The cached plans of an in-place rewrite, reused by the same call repeated (a later denoise step)."""
-
-    local_start: int
-    local_end: int
-    write_plan: WritePlan  # where the chunk's rows go
-    ranges: list[tuple[int, int]]  # the view's slot ranges
-    view_plan: ViewPlan  # where the view's rows come from
-
-
-class PagedCausalKVCache(CacheReadout):
+class PagedCausalKVCache:
     """One layer's causal K/V cache whose bytes live in pages of a shared `BlockPool`.
 
     The contract of SGLang's dense `CausalSelfAttentionKVCache` (written out in docs/SEMANTICS.md): a window of
@@ -163,12 +141,12 @@ class PagedCausalKVCache(CacheReadout):
         num_slots = self._seq.state.local_end
         if num_slots == 0:
             return torch.empty(2, B, 0, H, D, dtype=self.dtype, device=self.device)
-        plan = self._io.view_plan(self._seq.index, self._view_spans([(0, num_slots)]), 0, H)
+        plan = self._io.view_plan(self._seq.index, self._readout.view_spans([(0, num_slots)]), 0, H)
         out = torch.empty(2, B, plan.tokens, H, D, dtype=self.dtype, device=self.device)
         self._io.build_view(plan, 0, H, out)
         return out
 
-    @_holding_pool_lock
+    @holding_pool_lock
     def _adopt(self, global_end: int, local_end: int, pin_start: int, pin_len: int) -> None:
         """Helper: start an empty cache at cursors `(global_end, local_end)` (checked by the caller: 0 <= local_end
         <= min(global_end, cache_size), pin inside `[0, local_end)`): slots `[0, local_end)` hold tokens `[global_end
@@ -239,15 +217,46 @@ class PagedCausalKVCache(CacheReadout):
             pool=pool, owner=self.owner, layout=self.layout, io=self._io, seq=self._seq, store=self._packed,
             quant=quant if self._packed is not None else None, pack_under_pressure=pack_under_pressure, stores=stores,
         )
+        self._g_tensor, self._l_tensor = cursor_tensors(global_end_index, local_end_index, self.device)
+        # Every read-only figure (geometry, cursors, pin, segments, memory, the last view's sources): answered here.
+        self._readout = CacheReadout(pool=pool, owner=self.owner, seq=self._seq, packer=self._packer, io=self._io,
+                                     num_heads=self._num_heads, cursors=(self._g_tensor, self._l_tensor))  # fmt: skip
         self._use_int = bool(use_int_indices)
         self._closed = False
-        self._txn: tuple | None = None  # the saved sequencer while a call runs as a transaction
-        self._last_view_ranges: list[tuple[int, int]] = []
-        self._g_tensor, self._l_tensor = cursor_tensors(global_end_index, local_end_index, self.device)
+        # A call that raises has not happened: the pool's transaction around the sequencer's saved state.
+        self._txn = CallTransaction(pool=pool, owner=self.owner, seq=self._seq)
         # A cache collected without close() still gives its pages back.
         self._finalizer = weakref.finalize(self, _release_owner, pool, self.owner)
         self.global_end_index_int: int | None = 0 if self._use_int else None
         self.local_end_index_int: int | None = 0 if self._use_int else None
+
+    # ------------------------------------------------------------ read-only state (readout.CacheReadout)
+    pack_under_pressure = readout_property("_readout", "pack_under_pressure", settable=True)
+    pack_skipped = readout_property("_readout", "pack_skipped")
+    num_cache_heads = readout_property("_readout", "num_cache_heads")
+    cache_size = readout_property("_readout", "cache_size")
+    attention_window_size = readout_property("_readout", "attention_window_size")
+    sink_tokens = readout_property("_readout", "sink_tokens")
+    global_sink_tokens = readout_property("_readout", "global_sink_tokens")
+    allow_growth = readout_property("_readout", "allow_growth")
+    pinned_range = readout_property("_readout", "pinned_range")
+    effective_sink_tokens = readout_method("_readout", "effective_sink_tokens")
+    can_direct_current_attention = readout_method("_readout", "can_direct_current_attention")
+    resident_nbytes = readout_method("_readout", "resident_nbytes")
+    retained_token_ranges = readout_method("_readout", "retained_token_ranges")
+    segments = readout_method("_readout", "segments")
+    memory_breakdown = readout_method("_readout", "memory_breakdown")
+    last_view_sources = readout_method("_readout", "last_view_sources")
+    global_end_index = readout_property("_readout", "global_end_index")
+    local_end_index = readout_property("_readout", "local_end_index")
+
+    @property
+    def closed(self) -> bool:
+        """True after `close()`: the pages are back in the pool and every call raises CacheClosedError."""
+        return self._closed
+
+    def __repr__(self) -> str:
+        return self._readout.describe(self.debug_name)
 
     # ------------------------------------------------------------ checks
     def _ensure_open(self, what: str) -> None:
@@ -260,7 +269,7 @@ class PagedCausalKVCache(CacheReadout):
     def _structure_changed(self) -> None:
         """Pages, segments, slots or the pin changed: every cached plan is stale."""
         self._io.invalidate()
-        self._last_view_ranges = []
+        self._readout.last_view_ranges = []
 
     def _zero_tokens(self, entry: RangeEntry[Segment], lo: int, hi: int) -> None:
         """Every head of global tokens `[lo, hi)` of a dense segment := `_unwritten_fill` (K, V)."""
@@ -331,7 +340,7 @@ class PagedCausalKVCache(CacheReadout):
         recent_window_tokens: int | None = None,
         softmax_scale: float | None = None,
         debug_name: str | None = None,
-        key_noise_correction: bool = False,
+        **removed: object,
     ) -> torch.Tensor:
         """Write one chunk's K/V exactly as `update_and_get_attention_kv` does and return attention over the rows its
         view would hold, without building the view (attention.py: tiles decoded from pages, online softmax in fp32;
@@ -341,9 +350,8 @@ class PagedCausalKVCache(CacheReadout):
             query: `[batch, query tokens, heads, head_dim]`, the cache dtype and device, `key`'s heads.
             softmax_scale: None: `head_dim ** -0.5`; else a finite float. No mask: every query row attends to every
                 row of the view; never-written rows are keys of score 0 and value 0 (as SDPA over the view).
-            key_noise_correction: subtract each packed key's expected quantization-noise gain from its scores
-                (key_noise.py; from the stored block scales, no extra bytes). Off by default: the README ("Quantized
-                keys steal attention") gives what it does to the error. No effect without packed rows.
+            key_noise_correction: removed (measured not to help: docs/NUMBERS.md#key-noise-correction); passing
+                it raises TypeError, as does any other unknown keyword.
             The rest: as `update_and_get_attention_kv`.
 
         Returns:
@@ -352,6 +360,8 @@ class PagedCausalKVCache(CacheReadout):
         Raises: as `update_and_get_attention_kv`, plus TypeError / ValueError for a bad query or scale; all before
         anything changes. Transient memory: `attention.attention_scratch_bytes` (independent of the window).
         """
+        if removed:
+            raise removed_keywords_error(removed)
         own = self.debug_name
         if debug_name is not None and debug_name != own:
             self.debug_name = f"{debug_name} ({own})"  # every error of this call names the caller's label
@@ -362,15 +372,12 @@ class PagedCausalKVCache(CacheReadout):
             shape = (self.batch_size, self._num_heads, self.head_dim)
             check_kv(self.debug_name, key, value, cache_head_start, shape, self.dtype, self.device)
             scale = check_query(query, key, softmax_scale, self.debug_name)
-            if not isinstance(key_noise_correction, bool):
-                raise TypeError(f"{self.debug_name}: key_noise_correction must be a bool, got "
-                                f"{type(key_noise_correction).__name__}")  # fmt: skip
 
             def write_and_attend():
                 plan, h0, _, _, _ = self._write_and_plan(
                     key, value, current_chunk_start, cache_head_start, recent_window_tokens, what
                 )
-                return attend_pages(self._io, plan, h0, query, scale, key_noise=key_noise_correction)
+                return attend_pages(self._io, plan, h0, query, scale)
 
             return self._transactional(write_and_attend)
         finally:
@@ -398,7 +405,7 @@ class PagedCausalKVCache(CacheReadout):
         fast = self._io.cached(fast_key)
         if isinstance(fast, RepeatedCall):  # the same in-place rewrite as before (a later denoise step)
             self._io.write(fast.write_plan, h0, key, value)
-            self._last_view_ranges = fast.ranges
+            self._readout.last_view_ranges = fast.ranges
             return fast.view_plan, h0, hin, fast.local_start, fast.local_end
         plan = self._seq.plan_write(s, n, self.debug_name)
         touched: list[RangeEntry[Segment]] = []
@@ -406,7 +413,7 @@ class PagedCausalKVCache(CacheReadout):
             touched = self._seq.index.overlapping(s, min(plan.end, self._seq.state.global_end))
         unpack = [x for x in touched if x.value.packed]
         structural = bool(plan.new_tokens or unpack)
-        if structural:  # the caller's `_transactional` ends or rolls back what starts here
+        if structural:  # the caller's `_transactional` ends or rolls back the transaction that starts here
             self._begin_transaction()
             self._commit(plan, unpack, hin)
             self._rewritten(touched, s, plan.end, hin)
@@ -415,8 +422,8 @@ class PagedCausalKVCache(CacheReadout):
         if not structural:  # a failed in-place write leaves the flags (the targeted rows may be old or new)
             self._rewritten(touched, s, plan.end, hin)
         ranges = self._seq.view_ranges(plan.local_start, r)
-        self._last_view_ranges = ranges
-        view_plan = self._io.view_plan(self._seq.index, self._view_spans(ranges), h0, hin)
+        self._readout.last_view_ranges = ranges
+        view_plan = self._io.view_plan(self._seq.index, self._readout.view_spans(ranges), h0, hin)
         if not plan.new_tokens and not unpack:
             self._io.remember(fast_key, RepeatedCall(plan.local_start, plan.local_end, write_plan, ranges, view_plan))
         return view_plan, h0, hin, plan.local_start, plan.local_end
@@ -430,49 +437,20 @@ class PagedCausalKVCache(CacheReadout):
 
     # ------------------------------------------------------------ a call that raises has not happened
     def _transactional(self, run):
-        """`run()`; a transaction it began (`_begin_transaction`: an advance, or a rewrite that unpacks) ends when
-        it returns and is rolled back if it raises, so such a call either happens whole or not at all."""
-        try:
-            out = run()
-        except BaseException:
-            if self._txn is not None:
-                self._rollback()
-            raise
-        if self._txn is not None:
-            self._txn = None
-            self.pool.journal_end()
-            self.pool.lock.release()
-        return out
+        """Helper: `run()` as one call (`CallTransaction.run`): whole, or rolled back if it raises."""
+        return self._txn.run(run)
 
     def _begin_transaction(self) -> None:
-        """Hold the pool's lock (no other cache can take a page freed meanwhile), save the sequencer's spec, state and
-        segments, and journal this cache's allocations and frees (with a copy of each freed page's bytes: transient,
-        outside the pool). Cost per call: copies of the state, the segment table and the freed pages' bytes."""
-        self.pool.lock.acquire()
-        originals = {e.start: e.value for e in self._seq.index}
-        self._txn = (self._seq.spec, copy.deepcopy(self._seq.state), copy.deepcopy(self._seq.index), originals)
-        self.pool.journal_begin(self.owner)
+        """From here to the end of the running call (`self._txn.run`): the pool's lock held, page moves journaled."""
+        self._txn.begin(self._restored)
 
-    def _rollback(self) -> None:
-        """Undo the transaction: pages taken go back, pages freed return with their bytes, the sequencer is restored."""
-        try:
-            self.pool.journal_rollback()
-            self._seq.spec, self._seq.state, self._seq.index, originals = self._txn
-            for entry in self._seq.index:  # the same Segment objects as before the call, with their saved fields
-                orig = originals.get(entry.start)
-                if orig is not None:
-                    for field in Segment.__slots__:
-                        setattr(orig, field, getattr(entry.value, field))
-                    entry.value = orig
-            self._txn = None
-            self._structure_changed()
-            self._packer.report_used()
-            self._on_cursors_changed(self._seq.state.global_end, self._seq.state.local_end)
-        finally:
-            self._txn = None
-            self.pool.lock.release()
+    def _restored(self) -> None:
+        """After a rollback (`CallTransaction`): plans dropped, the pool told the bytes used, cursors republished."""
+        self._structure_changed()
+        self._packer.report_used()
+        self._on_cursors_changed(self._seq.state.global_end, self._seq.state.local_end)
 
-    @_holding_pool_lock
+    @holding_pool_lock
     def _commit(self, plan: CallPlan[Segment], unpack: list[RangeEntry[Segment]], hin: int) -> None:
         """Commit `plan` to pages: pressure packs, released segments back to the pool, packed chunks the write
         touches unpacked, the new tokens' segment, then the pack policy. Raises PoolExhaustedError (nothing changed)
@@ -520,7 +498,7 @@ class PagedCausalKVCache(CacheReadout):
         self._seq.pin(as_index("num_tokens", num_tokens, self.debug_name))
         self._structure_changed()
 
-    @_holding_pool_lock
+    @holding_pool_lock
     def reset_indices(self) -> None:
         """Empty the cache (a grown cache_size stays) and give every page back to the pool."""
         self._ensure_open("reset_indices")
@@ -532,7 +510,7 @@ class PagedCausalKVCache(CacheReadout):
             self._g_tensor.zero_()
             self._l_tensor.zero_()
 
-    @_holding_pool_lock
+    @holding_pool_lock
     def rewind_to(self, pos: int) -> None:
         """Drop every token at global position `pos` and later, so the next append starts at `pos` (no dense
         equivalent); their pages go back to the pool, and a pin at or after the new local end is cleared.
@@ -555,7 +533,7 @@ class PagedCausalKVCache(CacheReadout):
         self._packer.report_used()
         self._on_cursors_changed(self._seq.state.global_end, self._seq.state.local_end)
 
-    @_holding_pool_lock
+    @holding_pool_lock
     def close(self) -> None:
         """Give every page back; afterwards every call raises CacheClosedError. Idempotent."""
         if self._closed:

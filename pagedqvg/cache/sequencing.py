@@ -14,6 +14,7 @@ Units: tokens (= slots). Every method is O(runs + log(segments) + segments touch
 
 from __future__ import annotations
 
+import copy
 from collections.abc import Iterator
 from dataclasses import dataclass, field, replace
 from typing import Generic, TypeVar
@@ -182,6 +183,24 @@ class Sequencer(Generic[V]):
         self.spec = spec
         self.state = SlotState()
         self.index: RangeIndex[V] = RangeIndex()
+
+    # ------------------------------------------------------------ transactions (the cache's rollback)
+    def save(self) -> tuple:
+        """A copy of the spec, the state and the segment table (plus the segment objects by start) for `restore`.
+        O(segments) copies."""
+        originals = {e.start: e.value for e in self.index}
+        return self.spec, copy.deepcopy(self.state), copy.deepcopy(self.index), originals
+
+    def restore(self, saved: tuple) -> None:
+        """Back to `saved` (`save()`): spec, state and table as they were, holding the same segment objects as
+        before, their saved fields copied back in (callers keep references to them). O(segments)."""
+        self.spec, self.state, self.index, originals = saved
+        for entry in self.index:
+            orig = originals.get(entry.start)
+            if orig is not None:
+                for name in type(orig).__slots__:
+                    setattr(orig, name, getattr(entry.value, name))
+                entry.value = orig
 
     # ------------------------------------------------------------ queries
     def effective_sink(self) -> int:

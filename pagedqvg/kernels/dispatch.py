@@ -1,6 +1,6 @@
 """The single dispatch point between the cache and the kernels.
 
-Backend per call, from the device of the tensors and `PAGEDQVG_KERNELS`:
+Backend per call, from the device of the tensors and `PAGEDQVG_KERNELS` (read by `pagedqvg.env.kernels`):
 
 - `auto` (default): CUDA tensors → Triton when `import triton` works, else torch; every other device → torch.
 - `torch`: torch everywhere.
@@ -13,9 +13,9 @@ import the kernels for CUDA tensors it warns once (with the import error) and us
 on Linux x86_64 / aarch64 (where it has wheels); without it every device uses the torch path, and
 `PAGEDQVG_KERNELS=triton` raises a RuntimeError that says to install it.
 
-The debug switch (`pagedqvg.debug`: `PAGEDQVG_DEBUG=1` or `PAGEDQVG_KERNEL_CHECKS=1` at import, or
-`set_debug_checks(True)`) makes every Triton launch check its row indices on the host first (an IndexError naming the
-bad value, like the torch references raise; costs a device sync per launch — for tests and debugging). The torch
+The debug switch (`pagedqvg.debug`: `PAGEDQVG_DEBUG=1` at import, or `set_debug_checks(True)`) makes every Triton
+launch check its row indices on the host first (an IndexError naming the bad value, like the torch references raise;
+costs a device sync per launch — for tests and debugging). The torch
 references check index ranges under the same switch only.
 
 Each op takes an optional `backend` ("torch" or "triton"): callers that resolved it once (`page_io.PageIO`, at
@@ -25,7 +25,6 @@ construction) pass it, so a repeated call reads no environment variable; None re
 from __future__ import annotations
 
 import importlib
-import os
 import sys
 import warnings
 from functools import cache
@@ -34,7 +33,10 @@ from types import SimpleNamespace
 import torch
 
 from pagedqvg.debug import debug_checks
+from pagedqvg.env import kernels as kernels_from_env
+from pagedqvg.kernels.attention.attention_runs import attend_runs_torch
 from pagedqvg.kernels.ops import (
+    AttendArgs,
     KmeansAssignArgs,
     KmeansUpdateArgs,
     PackedDequantArgs,
@@ -52,19 +54,11 @@ from pagedqvg.kernels.view.view_build import view_build_torch
 from pagedqvg.kernels.view.view_runs import check_run_values, view_runs_torch
 from pagedqvg.kernels.write.page_write import page_fill_torch, page_write_torch
 
-_VALID = ("auto", "torch", "triton")
 #: The Triton kernel modules; all import, or the Triton backend is unavailable (auto falls back to torch).
 _TRITON_MODULES = (
     "write.triton_page_write", "view.triton_view_build", "view.triton_view_runs", "view.triton_dequant",
     "pack.triton_kmeans", "pack.triton_residual_pack", "attention.triton_attention", "attention.triton_attention_split",
 )  # fmt: skip
-
-
-def _choice() -> str:
-    choice = os.environ.get("PAGEDQVG_KERNELS", "auto").strip().lower() or "auto"
-    if choice not in _VALID:
-        raise ValueError(f"PAGEDQVG_KERNELS={choice!r} is not one of {_VALID}")
-    return choice
 
 
 @cache
@@ -85,7 +79,7 @@ def triton_available() -> bool:
 
 def kernel_backend(device: torch.device | str) -> str:
     """'torch' or 'triton' for tensors on `device`, honouring the PAGEDQVG_KERNELS environment variable."""
-    choice = _choice()
+    choice = kernels_from_env()
     if choice == "auto":
         if torch.device(device).type != "cuda":
             return "torch"
@@ -229,3 +223,23 @@ def view_runs(a: ViewRunsArgs, backend: str | None = None, torch_plan=None) -> N
         _triton(a.out_t.device).triton_view_runs.view_runs_triton(a)
     else:
         view_runs_torch(a, torch_plan)
+
+
+@op_entry(AttendArgs)
+def attend(a: AttendArgs, backend: str | None = None, out: torch.Tensor | None = None) -> torch.Tensor:
+    """`softmax(query·kᵀ·scale)·v` over a view plan's rows, straight from pages (see ops.AttendArgs): Triton's
+    attention kernel (kernels/attention/triton_attention_split.py: one launch, or the split-KV pair), or the torch
+    reference `attend_runs_torch` (fp64, expands the view: for tests; the CPU fast path is the tiled
+    `pagedqvg.attention.pages.attend_pages`). Writes `out` `[B, Tq, hin, D]` when given (else a new tensor of the
+    query's shape and dtype) and returns it."""
+    if (backend or kernel_backend(a.query.device)) == "triton":
+        if a.plan_index is not None:  # under the debug switch: the row index stays inside the pages
+            _check_rows(a.rows, a.plan_index[0], a.plan_index[1])
+        if out is None:
+            out = torch.empty(a.query.shape, dtype=a.query.dtype, device=a.query.device)
+        _triton(a.query.device).triton_attention_split.attend_triton(a, out)
+        return out
+    result = attend_runs_torch(a)
+    if out is None:
+        return result
+    return out.copy_(result)

@@ -47,18 +47,6 @@ def attention_scratch_bytes(
     return max(one, tile + tile32 + merged + block + fallback)
 
 
-def key_noise_bytes(batch: int, query_tokens: int, heads: int, cache_heads: int, fmt, *,
-                    tile_tokens: int = ATTN_TILE_TOKENS, query_tile: int = ATTN_QUERY_TILE) -> int:  # fmt: skip
-    """Upper bound of the extra transient bytes of `key_noise_correction` (key_noise.py): per packed tile its K
-    records' rows (all `cache_heads`), their scales as bytes and as two fp32 copies; per query block the squared
-    fp32 query, its block sums and the fp32 bias `[B, h, query_tile, t]`. The plan's row index (16 bytes per
-    packed key row) is cached with the plan, not counted here."""
-    B, h, t, qt, nb = batch, heads, tile_tokens, min(query_tile, query_tokens), fmt.num_blocks
-    tile = t * B * cache_heads * fmt.per_head_bytes + t * B * h * nb * (1 + 2 * 4)
-    block = B * h * qt * (fmt.head_dim + nb + t) * 4
-    return tile + block
-
-
 def packed_decode_bytes(batch: int, cache_heads: int, head_dim: int, tile_tokens: int, fmt) -> int:
     """Upper bound of the extra transient bytes of decoding a packed tile of `tile_tokens` tokens
     (`packed_dequant_torch`: the segment's codebooks, the tile's gathered token rows and int64 row indices, and its

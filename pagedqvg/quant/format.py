@@ -40,7 +40,8 @@ FP8_DTYPE = torch.float8_e4m3fn
 #: Largest finite float8_e4m3fn value; scales and zeros are clamped to [-FP8_MAX, FP8_MAX].
 FP8_MAX = 448.0
 
-_TRIT_WEIGHTS = (81, 27, 9, 3, 1)
+#: Place values of the five trits packed in a byte (most significant first).
+TRIT_WEIGHTS = (81, 27, 9, 3, 1)
 
 
 @dataclass(frozen=True, slots=True)
@@ -209,7 +210,7 @@ class PackedFormat:
             pad = self.code_bytes * 5 - self.head_dim
             if pad:
                 c = torch.cat([c, c.new_zeros(*lead, pad)], dim=-1)
-            weights = torch.tensor(_TRIT_WEIGHTS, dtype=torch.int32, device=c.device)
+            weights = torch.tensor(TRIT_WEIGHTS, dtype=torch.int32, device=c.device)
             return (c.view(*lead, self.code_bytes, 5) * weights).sum(-1).to(torch.uint8)
         per_byte = 8 // self.bits
         shifts = torch.arange(per_byte - 1, -1, -1, dtype=torch.int32, device=c.device) * self.bits
@@ -222,7 +223,7 @@ class PackedFormat:
         p = packed.to(torch.int32).unsqueeze(-1)
         lead = packed.shape[:-1]
         if self.cfg.pack_trits:
-            weights = torch.tensor(_TRIT_WEIGHTS, dtype=torch.int32, device=p.device)
+            weights = torch.tensor(TRIT_WEIGHTS, dtype=torch.int32, device=p.device)
             c = (p // weights) % 3
         else:
             per_byte = 8 // self.bits

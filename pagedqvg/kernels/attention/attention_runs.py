@@ -12,9 +12,8 @@ import torch
 
 from pagedqvg.kernels.ops import AttendArgs, op_entry
 from pagedqvg.kernels.view.view_build import view_build_torch
-from pagedqvg.kernels.view.view_runs import PACKED, view_runs_torch
+from pagedqvg.kernels.view.view_runs import view_runs_torch
 from pagedqvg.quant import PackedFormat
-from pagedqvg.quant.format import FP8_DTYPE
 
 
 def expand_rows(
@@ -39,35 +38,14 @@ def expand_rows(
     return out
 
 
-def key_variance(tokens: torch.Tensor, runs: torch.Tensor, fmt: PackedFormat, head_start: int, hin: int,
-                 n_keys: int) -> torch.Tensor:  # fmt: skip
-    """Per key row of a run table, the noise variance `Δ²/12` of its channels (key_noise.py) `[B, hin, n_keys, D]`
-    fp64: each packed row's K record's block scales, read one run at a time; dense and zero rows 0."""
-    B = tokens.shape[3]
-    var = torch.zeros(B, hin, n_keys, fmt.head_dim, dtype=torch.float64, device=tokens.device)
-    bs, a, nb = fmt.cfg.block_size, fmt.scales_offset, fmt.num_blocks
-    for kind, page, first, count, out_row, _ in runs.tolist():
-        if kind != PACKED:
-            continue
-        rec = tokens[page, first : first + count, 0].reshape(count, B, fmt.num_heads, fmt.per_head_bytes)
-        sc = rec[:, :, head_start : head_start + hin, a : a + nb].contiguous().view(FP8_DTYPE).double()
-        var[:, :, out_row : out_row + count] = (sc * sc / 12).repeat_interleave(bs, -1).permute(1, 2, 0, 3)
-    return var
-
-
 @op_entry(AttendArgs)
-def attend_runs_torch(a: AttendArgs, *, key_noise: bool = False) -> torch.Tensor:
+def attend_runs_torch(a: AttendArgs) -> torch.Tensor:
     """Attention `[B, Tq, hin, D]` in the query dtype over the plan's rows (heads `[head_start, head_start + hin)`
-    of `rows`), softmax and products in fp64. Arguments: `ops.AttendArgs`. `key_noise`: packed keys' scores less
-    `scale²/2 · Σ_d q_d² · Δ_d²/12` (key_noise.py; needs packed rows, else no effect)."""
+    of `rows`), softmax and products in fp64. Arguments: `ops.AttendArgs`."""
     query, rows, plan_index, runs, packed, fmt, head_start, n_keys, scale = a
     B, _, hin, _ = query.shape
     kv = expand_rows(rows, plan_index, runs, packed, fmt, head_start, hin, B, n_keys).double()
     q = query.double().transpose(1, 2)  # [B, hin, Tq, D]
     k, v = kv[0].transpose(1, 2), kv[1].transpose(1, 2)  # [B, hin, T, D]
-    s = torch.matmul(q, k.transpose(-1, -2)) * scale
-    if key_noise and packed is not None and runs is not None and fmt is not None:
-        var = key_variance(packed[0], runs, fmt, head_start, hin, n_keys)
-        s -= torch.matmul(q * q, var.transpose(-1, -2)) * (scale * scale / 2)
-    w = torch.softmax(s, dim=-1)
+    w = torch.softmax(torch.matmul(q, k.transpose(-1, -2)) * scale, dim=-1)
     return torch.matmul(w, v).transpose(1, 2).to(query.dtype).contiguous()

@@ -25,17 +25,17 @@ constants are a model, **not measured on a GPU yet** (benchmarks/attention_cuda_
 and the pick). At
 LingBot-World's full 4,680-token chunk (74 query blocks x 40 or 20 heads: 11-22 waves on 132 SMs) it picks 1; it
 splits when a call has few query rows (a short chunk, a sub-chunk, decoding). `set_forced_splits(S)` (or
-`PAGEDQVG_ATTN_SPLITS=S` at import) overrides it for every call. The heuristic, its constants and the byte counts
+`PAGEDQVG_ATTN_SPLITS=S`, read per call) overrides it for every call. The heuristic, its constants and the byte counts
 live in attention_budget.py (kernel-free: the planner counts them) and are re-exported here.
 """
 
 from __future__ import annotations
 
-import os
 from functools import cache
 
 import torch
 
+from pagedqvg.env import attn_splits as attn_splits_from_env
 from pagedqvg.kernels.attention.attention_runs import expand_rows
 from pagedqvg.kernels.ops import AttendArgs, op_entry
 from pagedqvg.layout.attention_scratch import (  # the kernel-free sizing half (the planner counts it); re-exported here
@@ -56,30 +56,30 @@ from pagedqvg.layout.attention_scratch import (  # the kernel-free sizing half (
     triton_attend_bytes,
 )
 
-
-def _env_splits() -> int | None:
-    raw = os.environ.get("PAGEDQVG_ATTN_SPLITS", "").strip()
-    if not raw:
-        return None
-    if not raw.isdigit() or int(raw) < 1:
-        raise ValueError(f"PAGEDQVG_ATTN_SPLITS={raw!r}: must be an integer >= 1 (1: one launch), or unset")
-    return int(raw)
+_FROM_ENV = "env"  #: `_forced[0]` before any `set_forced_splits`: `PAGEDQVG_ATTN_SPLITS` decides, at call time
+_forced: list[int | str | None] = [_FROM_ENV]
 
 
-_forced: list[int | None] = [_env_splits()]
-
-
-def set_forced_splits(splits: int | None) -> None:
-    """Force every Triton attention call to `splits` key ranges (1: one launch), or None: `choose_splits` decides
-    (the default; `PAGEDQVG_ATTN_SPLITS` at import sets the initial value). For benchmarks and tuning."""
+def set_forced_splits(splits: int | None, *, from_env: bool = False) -> None:
+    """Force every Triton attention call to `splits` key ranges (1: one launch), or None: `choose_splits` decides.
+    Overrides `PAGEDQVG_ATTN_SPLITS` (which decides until the first call of this; `from_env=True` hands the
+    choice back to it). For benchmarks and tuning."""
+    if from_env:
+        _forced[0] = _FROM_ENV
+        return
     if splits is not None and (isinstance(splits, bool) or not isinstance(splits, int) or splits < 1):
         raise ValueError(f"splits={splits!r}: must be an int >= 1 or None")
     _forced[0] = splits
 
 
 def forced_splits() -> int | None:
-    """The forced split count (`set_forced_splits`), or None."""
-    return _forced[0]
+    """The forced split count: `set_forced_splits`'s, else `PAGEDQVG_ATTN_SPLITS` (`pagedqvg.env.attn_splits`, read
+    now; ValueError for a bad value), or None."""
+    forced = _forced[0]
+    if forced == _FROM_ENV:
+        return attn_splits_from_env()
+    assert forced is None or isinstance(forced, int)
+    return forced
 
 
 @cache

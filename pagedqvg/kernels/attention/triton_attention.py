@@ -19,13 +19,12 @@ fp32; fp64 for fp32 caches, as `attention.merge_dtype`):
 Scores are `tl.dot(q, kᵀ)` in the cache dtype with fp32 accumulation (fp32 caches: IEEE fp32, not TF32) times
 `scale`; for 16-bit caches the P·V product takes `p` rounded (to nearest even) to the cache dtype, as
 FlashAttention (measured through the interpreter: 1.0x SDPA-on-view's error vs fp64 in bf16; a truncating bf16
-rounding measured 1.6x, hence `_round`), fp32 caches one IEEE fp32 product into fp64 accumulators.
+rounding measured 1.6x, hence `round_to`), fp32 caches one IEEE fp32 product into fp64 accumulators.
 Output `acc / l` cast to the query dtype. Nothing is allocated besides the output; no host work besides the launch
 (the plan's tensors exist already). Cost: O(Tq · T · D) flops per (b, head); K/V rows read once per query block.
 
-`KEY_NOISE` (constexpr, off by default): each packed key block's scores get the key-noise bias
-`-scale²/2 · Σ_d q_d² · Δ_d²/12` (key_noise.py), Δ_d the fp8 block scale of channel d read from the K record
-(`_key_noise_bias`: one extra `[M, D] x [D, N]` fp32 dot per packed key block; dense and zero keys unchanged).
+`dense_block`, `packed_block`, `softmax_step`, `round_to` and `RUNTIME_ARGS` are public: the split kernel
+(triton_attention_split.py) runs the same helpers.
 
 Compile-time constants: `HEAD_DIM`, the blocks, the plan kind, the PRQ format (per layer); the query length, the
 view length, the run count, the head slice and the scale are runtime arguments (one compile per layer shape).
@@ -43,34 +42,32 @@ from pagedqvg.kernels.ops import AttendArgs, op_entry
 from pagedqvg.kernels.triton_common import NUM_WARPS, cdiv, is_interpreted, next_pow2
 from pagedqvg.kernels.view.triton_dequant import (
     OUT_KIND,
-    _f32_to_bf16_rtne,
-    _fp8e4m3_to_f32,
+    f32_to_bf16_rtne,
     format_constants,
     kernel_codebooks,
     packed_tile,
 )
-from pagedqvg.kernels.view.triton_view_runs import _NO_FORMAT
+from pagedqvg.kernels.view.triton_view_runs import NO_FORMAT
 
-_RUNTIME = ["q_len", "n_keys", "n_runs", "batch", "num_heads", "head_start", "hin", "dense_tpp", "cb_rows_per_page"]
+#: The runtime (not specialized) arguments of the attention kernels.
+RUNTIME_ARGS = ["q_len", "n_keys", "n_runs", "batch", "num_heads", "head_start", "hin", "dense_tpp", "cb_rows_per_page"]
 
 #: Query rows and key rows per block on CUDA (Triton's interpreter: the same; its cost is per program).
 BLOCK_M = 64
 BLOCK_N = 64
 #: Key rows per block when the cache has packed sources (the decode's registers; compact spilled at 64).
 BLOCK_N_PACKED = 32
-#: Key rows per block with the key-noise bias (`KEY_NOISE`: its scales and bias tile; spilled ~940 B/thread at 32).
-BLOCK_N_KEY_NOISE = 16
 
 
 @triton.jit
-def _dense_block(rows_ptr, rs0, rs1, rs2, page, row, hd, d, kmask, HEAD_DIM: tl.constexpr):
+def dense_block(rows_ptr, rs0, rs1, rs2, page, row, hd, d, kmask, HEAD_DIM: tl.constexpr):
     """`[N, D]` rows `row` of pages `page` (both `[N]`, int64), head `hd`, from the dense pool (masked: 0)."""
     ptr = rows_ptr + (page * rs0 + row * rs1 + hd * rs2)[:, None] + d[None, :]
     return tl.load(ptr, mask=kmask[:, None] & (d < HEAD_DIM)[None, :], other=0.0)
 
 
 @triton.jit
-def _packed_block(
+def packed_block(
     tok_ptr, row_off, kv, b, hd, ts2, ts3, cb_ptr, cs0, cs1, cs2, cs3, seg_cb_pages, batch, num_heads, d, kmask,
     cb_rows_per_page, out_ptr,
     CODE_KIND: tl.constexpr, ASYM: tl.constexpr, QMAX: tl.constexpr, BLOCK_SIZE: tl.constexpr,
@@ -97,46 +94,24 @@ def _packed_block(
 
 
 @triton.jit
-def _round(x, like):
+def round_to(x, like):
     """fp32 `x` rounded to nearest even in `like`'s dtype (bf16 by integer ops: the interpreter truncates)."""
     if like.dtype == tl.bfloat16:
-        return _f32_to_bf16_rtne(x)
+        return f32_to_bf16_rtne(x)
     else:
         return x.to(like.dtype)
 
 
 @triton.jit
-def _key_noise_bias(tok_ptr, row_off, b, hd, ts3, q, d, kmask, scale, PER_HEAD_BYTES: tl.constexpr,
-                    SCALES_OFFSET: tl.constexpr, BLOCK_SIZE: tl.constexpr, HEAD_DIM: tl.constexpr):  # fmt: skip
-    """`[M, N]` fp32 score bias `-scale²/2 · Σ_d q_d² · Δ_d²/12` of packed key rows (token byte offsets `row_off`
-    `[N]`) of (b, head `hd`): Δ_d the fp8 scale of channel d's block in the K record (key_noise.py)."""
-    rec = tok_ptr + row_off[:, None] + (b * ts3 + hd * PER_HEAD_BYTES + SCALES_OFFSET) + (d // BLOCK_SIZE)[None, :]
-    sc = _fp8e4m3_to_f32(tl.load(rec, mask=kmask[:, None] & (d < HEAD_DIM)[None, :], other=0))  # [N, D]
-    qf = q.to(tl.float32)
-    var = sc * sc / 12.0
-    return tl.dot(qf * qf, tl.trans(var), input_precision="ieee") * (-0.5 * scale * scale)
-
-
-@triton.jit
-def _softmax_step(
+def softmax_step(
     q, k, v, kmask, m_i, l_i, acc, scale, ACC_T: tl.constexpr, DOT_PREC: tl.constexpr, UPCAST: tl.constexpr
 ):
-    """Fold one key block into the online softmax (`m`, `l`, `acc`); `_softmax_step_biased` without a bias."""
-    return _softmax_step_biased(q, k, v, kmask, m_i, l_i, acc, scale, 0.0, ACC_T, DOT_PREC, UPCAST)
-
-
-@triton.jit
-def _softmax_step_biased(
-    q, k, v, kmask, m_i, l_i, acc, scale, bias, ACC_T: tl.constexpr, DOT_PREC: tl.constexpr, UPCAST: tl.constexpr
-):
-    """Fold one key block into the online softmax (`m`, `l`, `acc`); `bias`: added to the scores (0.0, or the
-    `[M, N]` key-noise bias). `UPCAST` (bf16 in the interpreter, whose `tl.dot` misreads bf16): the same products
-    from the same bf16 values, upcast exactly to fp32 first."""
+    """Fold one key block into the online softmax (`m`, `l`, `acc`). `UPCAST` (bf16 in the interpreter, whose
+    `tl.dot` misreads bf16): the same products from the same bf16 values, upcast exactly to fp32 first."""
     if UPCAST:
         s = tl.dot(q.to(tl.float32), tl.trans(k.to(tl.float32)), input_precision="ieee") * scale
     else:
         s = tl.dot(q, tl.trans(k), input_precision=DOT_PREC).to(ACC_T) * scale
-    s = s + bias
     s = tl.where(kmask[None, :], s, float("-inf"))
     m_new = tl.maximum(m_i, tl.max(s, 1))
     alpha = tl.exp(m_i - m_new)
@@ -145,7 +120,7 @@ def _softmax_step_biased(
     if ACC_T == tl.float64:  # noqa: SIM300 (a constexpr dtype)
         pv = tl.dot(p.to(tl.float32), v.to(tl.float32), input_precision=DOT_PREC).to(ACC_T)
     else:  # p rounded to the cache dtype (as FlashAttention): one tensor-core product, fp32 accumulation
-        p16 = _round(p, v)
+        p16 = round_to(p, v)
         if UPCAST:  # noqa: SIM108 (a constexpr branch: only one side is compiled)
             pv = tl.dot(p16.to(tl.float32), v.to(tl.float32), input_precision="ieee")
         else:
@@ -154,7 +129,7 @@ def _softmax_step_biased(
     return m_new, l_i, acc
 
 
-@triton.jit(do_not_specialize=_RUNTIME)
+@triton.jit(do_not_specialize=RUNTIME_ARGS)
 def _attend_kernel(
     q_ptr, qs0, qs1, qs2, qs3,  # [B, Tq, hin, D], cache dtype
     rows_ptr, rs0, rs1, rs2,  # dense rows [num_pages, rows_per_page, H, D] (last stride 1)
@@ -169,7 +144,7 @@ def _attend_kernel(
     INDEXED: tl.constexpr, HAS_PACKED: tl.constexpr, ACC_T: tl.constexpr, DOT_PREC: tl.constexpr, UPCAST: tl.constexpr,
     CODE_KIND: tl.constexpr, ASYM: tl.constexpr, QMAX: tl.constexpr, BLOCK_SIZE: tl.constexpr,
     STAGES: tl.constexpr, PER_HEAD_BYTES: tl.constexpr, SCALES_OFFSET: tl.constexpr, ZEROS_OFFSET: tl.constexpr,
-    IDS_OFFSET: tl.constexpr, OUT_KIND: tl.constexpr, CB_FP8: tl.constexpr, KEY_NOISE: tl.constexpr = False,
+    IDS_OFFSET: tl.constexpr, OUT_KIND: tl.constexpr, CB_FP8: tl.constexpr,
 ):  # fmt: skip
     bh = tl.program_id(1)
     b = bh // hin
@@ -191,11 +166,11 @@ def _attend_kernel(
             kmask = t < n_keys
             po = pidx_ptr + b.to(tl.int64) * ps1 + t.to(tl.int64) * ps2
             so = sidx_ptr + b.to(tl.int64) * ss1 + t.to(tl.int64) * ss2
-            k = _dense_block(rows_ptr, rs0, rs1, rs2, tl.load(po, mask=kmask, other=0),
+            k = dense_block(rows_ptr, rs0, rs1, rs2, tl.load(po, mask=kmask, other=0),
                              tl.load(so, mask=kmask, other=0), hd, d, kmask, HEAD_DIM)  # fmt: skip
-            v = _dense_block(rows_ptr, rs0, rs1, rs2, tl.load(po + ps0, mask=kmask, other=0),
+            v = dense_block(rows_ptr, rs0, rs1, rs2, tl.load(po + ps0, mask=kmask, other=0),
                              tl.load(so + ss0, mask=kmask, other=0), hd, d, kmask, HEAD_DIM)  # fmt: skip
-            m_i, l_i, acc = _softmax_step(q, k, v, kmask, m_i, l_i, acc, scale, ACC_T, DOT_PREC, UPCAST)
+            m_i, l_i, acc = softmax_step(q, k, v, kmask, m_i, l_i, acc, scale, ACC_T, DOT_PREC, UPCAST)
     else:
         for p in range(0, n_runs):
             run = runs_ptr + p * 6
@@ -214,50 +189,39 @@ def _attend_kernel(
                     r = r0 + n
                     kmask = r < count
                     slot = (first + r).to(tl.int64)
-                    if KEY_NOISE:  # noqa: SIM108 (one type on every branch in compiled Triton: a zero tile for dense rows)
-                        bias = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
-                    else:
-                        bias = 0.0
                     if kind == 0:
                         pages = page + r * 0
-                        k = _dense_block(rows_ptr, rs0, rs1, rs2, pages, slot * batch + b, hd, d, kmask, HEAD_DIM)
-                        v = _dense_block(rows_ptr, rs0, rs1, rs2, pages, (dense_tpp + slot) * batch + b, hd, d,
+                        k = dense_block(rows_ptr, rs0, rs1, rs2, pages, slot * batch + b, hd, d, kmask, HEAD_DIM)
+                        v = dense_block(rows_ptr, rs0, rs1, rs2, pages, (dense_tpp + slot) * batch + b, hd, d,
                                          kmask, HEAD_DIM)  # fmt: skip
                     else:
                         if HAS_PACKED:
                             row_off = page * ts0 + slot * ts1
                             seg = cb_pages_ptr + tl.load(run + 5)
-                            k = _packed_block(
+                            k = packed_block(
                                 tok_ptr, row_off, 0, b, hd, ts2, ts3, cb_ptr, cs0, cs1, cs2, cs3, seg, batch,
                                 num_heads, d, kmask, cb_rows_per_page, q_ptr,
                                 CODE_KIND, ASYM, QMAX, BLOCK_SIZE, STAGES, PER_HEAD_BYTES, SCALES_OFFSET,
                                 ZEROS_OFFSET, IDS_OFFSET, OUT_KIND, CB_FP8, HEAD_DIM, BLOCK_N, BLOCK_D,
                             )  # fmt: skip
-                            v = _packed_block(
+                            v = packed_block(
                                 tok_ptr, row_off, 1, b, hd, ts2, ts3, cb_ptr, cs0, cs1, cs2, cs3, seg, batch,
                                 num_heads, d, kmask, cb_rows_per_page, q_ptr,
                                 CODE_KIND, ASYM, QMAX, BLOCK_SIZE, STAGES, PER_HEAD_BYTES, SCALES_OFFSET,
                                 ZEROS_OFFSET, IDS_OFFSET, OUT_KIND, CB_FP8, HEAD_DIM, BLOCK_N, BLOCK_D,
                             )  # fmt: skip
-                            if KEY_NOISE:
-                                bias = _key_noise_bias(tok_ptr, row_off, b, hd, ts3, q, d, kmask, scale,
-                                                       PER_HEAD_BYTES, SCALES_OFFSET, BLOCK_SIZE, HEAD_DIM)  # fmt: skip
                         else:
                             k = tl.zeros([BLOCK_N, BLOCK_D], q_ptr.dtype.element_ty)
                             v = tl.zeros([BLOCK_N, BLOCK_D], q_ptr.dtype.element_ty)
-                    m_i, l_i, acc = _softmax_step_biased(q, k, v, kmask, m_i, l_i, acc, scale, bias, ACC_T,
-                                                         DOT_PREC, UPCAST)  # fmt: skip
+                    m_i, l_i, acc = softmax_step(q, k, v, kmask, m_i, l_i, acc, scale, ACC_T, DOT_PREC, UPCAST)
     out = (acc / l_i[:, None]).to(tl.float32)
     ooff = b.to(tl.int64) * os0 + qm.to(tl.int64)[:, None] * os1 + h * os2 + d[None, :] * os3
-    tl.store(out_ptr + ooff, _round(out, q), mask=qmask)
+    tl.store(out_ptr + ooff, round_to(out, q), mask=qmask)
 
 
 @op_entry(AttendArgs)
-def attend_launch(
-    a: AttendArgs, out: torch.Tensor, *, block_m: int = BLOCK_M, block_n: int | None = None, key_noise: bool = False
-):
+def attend_launch(a: AttendArgs, out: torch.Tensor, *, block_m: int = BLOCK_M, block_n: int | None = None):
     """`(kernel, grid, args, kwargs)` of one attention launch (see the module docstring), or None for no queries.
-    `key_noise`: packed keys' scores get the key-noise bias (key_noise.py; the `KEY_NOISE` constexpr).
 
     `plan_index`: `(page_idx, slot_idx)` `[2, B, T]` of a dense view, else `runs` (int64 `[P, 6]`) with `packed =
     (token pages, codebook rows, cb_pages)` and `fmt` when the cache quantizes. `query`, `out` `[B, Tq, hin, D]`."""
@@ -269,7 +233,7 @@ def attend_launch(
         raise ValueError(f"attention: rows need a last stride of 1 (got {rows.stride()}) and out the query's shape "
                          f"{tuple(query.shape)} (got {tuple(out.shape)})")  # fmt: skip
     if block_n is None:  # packed decode holds more registers: half the key block (no spills at sm_90, head_dim 128)
-        block_n = BLOCK_N if packed is None else BLOCK_N_KEY_NOISE if key_noise else BLOCK_N_PACKED
+        block_n = BLOCK_N if packed is None else BLOCK_N_PACKED
     block_d = max(16, next_pow2(D))
     acc_t = tl.float64 if query.dtype == torch.float32 else tl.float32
     dot_prec = "ieee" if query.dtype == torch.float32 else "tf32"
@@ -283,7 +247,7 @@ def attend_launch(
         idx_a, runs_a, n_runs = (runs, 0, 0, 0, runs, 0, 0, 0), runs, runs.shape[0]
     if packed is None:
         tok_a, cb_a, cbp, cb_rpp = (rows, 0, 0, 0, 0), (rows, 0, 0, 0, 0), runs_a, 1
-        fmt_kw = dict(_NO_FORMAT, OUT_KIND=OUT_KIND[rows.dtype])
+        fmt_kw = dict(NO_FORMAT, OUT_KIND=OUT_KIND[rows.dtype])
     else:
         assert fmt is not None
         tokens, codebooks, cb_pages = packed
@@ -299,8 +263,6 @@ def attend_launch(
     kwargs = dict(
         HEAD_DIM=D, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_D=block_d, INDEXED=plan_index is not None,
         HAS_PACKED=packed is not None, ACC_T=acc_t, DOT_PREC=dot_prec, UPCAST=upcast, **fmt_kw,
-        **({"KEY_NOISE": True} if key_noise and packed is not None else {}),  # default False (the split kernel
-        # takes these kwargs and has no KEY_NOISE)
         num_warps=NUM_WARPS if is_interpreted(_attend_kernel) else 8 if block_d >= 128 else NUM_WARPS,
     )  # fmt: skip
     return _attend_kernel, grid, args, kwargs

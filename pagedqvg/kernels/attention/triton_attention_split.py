@@ -3,7 +3,7 @@ cut into `S` contiguous ranges (kernels/attention_split.py: the math, the heuris
 launches:
 
 1. `_attend_split_kernel`, grid `(cdiv(Tq, BLOCK_M), B * hin, S)`: program `(i, j, s)` runs triton_attention's
-   online softmax (the same `_dense_block` / `_packed_block` / `_softmax_step` helpers, blocks and constants) over
+   online softmax (the same `dense_block` / `packed_block` / `softmax_step` helpers, blocks and constants) over
    keys `[s·c, min((s+1)·c, T))` only, `c = ceil(T / S)`, and stores its unnormalized partial `acc` `[BLOCK_M, D]`
    and `(m, l)` `[BLOCK_M]` in the accumulator dtype (fp32; fp64 for fp32 caches). A row index is sliced directly;
    a run table (`out_row`, column 4, ascending from 0: kernels/view_runs.py) is searched for the first and the
@@ -16,7 +16,7 @@ launches:
 Scratch: one tensor of `split_scratch_bytes` (partials `[S, B * hin, Tq, D]` then `(m, l)` `[S, B * hin, 2, Tq]`),
 allocated per call. Cost over one launch: the scratch written and read once, the merge launch, and per program the
 run-table searches; the gain is `S` times the programs for a call with few query blocks x heads (see the heuristic).
-`attend_triton` (triton_attention.py) picks `S` (`attention_split.choose_splits`, or `set_forced_splits`) and
+`attend_triton` (this module) picks `S` (`attention_split.choose_splits`, or `set_forced_splits`) and
 launches one kernel for `S = 1`, these two otherwise.
 """
 
@@ -28,21 +28,21 @@ import triton.language as tl
 
 from pagedqvg.kernels.attention.attention_split import choose_splits, forced_splits, sm_count, split_keys
 from pagedqvg.kernels.attention.triton_attention import (
-    _RUNTIME,
     BLOCK_M,
     BLOCK_N,
     BLOCK_N_PACKED,
-    _dense_block,
-    _packed_block,
-    _round,
-    _softmax_step,
+    RUNTIME_ARGS,
     attend_launch,
+    dense_block,
+    packed_block,
+    round_to,
+    softmax_step,
 )
 from pagedqvg.kernels.ops import AttendArgs, op_entry
 from pagedqvg.kernels.triton_common import NUM_WARPS, cdiv, launch_on_device
 from pagedqvg.kernels.view.view_runs import RUN_COLUMNS
 
-_RUNTIME_SPLIT = [*_RUNTIME, "keys_per_split", "search_steps"]
+RUNTIME_SPLIT_ARGS = [*RUNTIME_ARGS, "keys_per_split", "search_steps"]
 
 
 @triton.jit
@@ -60,7 +60,7 @@ def _first_run_after(runs_ptr, n_runs, key, search_steps, RUN_COLS: tl.constexpr
     return lo
 
 
-@triton.jit(do_not_specialize=_RUNTIME_SPLIT)
+@triton.jit(do_not_specialize=RUNTIME_SPLIT_ARGS)
 def _attend_split_kernel(
     q_ptr, qs0, qs1, qs2, qs3,  # [B, Tq, hin, D], cache dtype
     rows_ptr, rs0, rs1, rs2,  # dense rows [num_pages, rows_per_page, H, D] (last stride 1)
@@ -103,11 +103,11 @@ def _attend_split_kernel(
             kmask = t < k1
             po = pidx_ptr + b.to(tl.int64) * ps1 + t.to(tl.int64) * ps2
             so = sidx_ptr + b.to(tl.int64) * ss1 + t.to(tl.int64) * ss2
-            k = _dense_block(rows_ptr, rs0, rs1, rs2, tl.load(po, mask=kmask, other=0),
+            k = dense_block(rows_ptr, rs0, rs1, rs2, tl.load(po, mask=kmask, other=0),
                              tl.load(so, mask=kmask, other=0), hd, d, kmask, HEAD_DIM)  # fmt: skip
-            v = _dense_block(rows_ptr, rs0, rs1, rs2, tl.load(po + ps0, mask=kmask, other=0),
+            v = dense_block(rows_ptr, rs0, rs1, rs2, tl.load(po + ps0, mask=kmask, other=0),
                              tl.load(so + ss0, mask=kmask, other=0), hd, d, kmask, HEAD_DIM)  # fmt: skip
-            m_i, l_i, acc = _softmax_step(q, k, v, kmask, m_i, l_i, acc, scale, ACC_T, DOT_PREC, UPCAST)
+            m_i, l_i, acc = softmax_step(q, k, v, kmask, m_i, l_i, acc, scale, ACC_T, DOT_PREC, UPCAST)
     else:
         p_first = _first_run_after(runs_ptr, n_runs, k0, search_steps, RUN_COLS)
         p_end = _first_run_after(runs_ptr, n_runs, k1 - 1, search_steps, RUN_COLS) + 1
@@ -132,20 +132,20 @@ def _attend_split_kernel(
                     slot = (first + r).to(tl.int64)
                     if kind == 0:
                         pages = page + r * 0
-                        k = _dense_block(rows_ptr, rs0, rs1, rs2, pages, slot * batch + b, hd, d, kmask, HEAD_DIM)
-                        v = _dense_block(rows_ptr, rs0, rs1, rs2, pages, (dense_tpp + slot) * batch + b, hd, d,
+                        k = dense_block(rows_ptr, rs0, rs1, rs2, pages, slot * batch + b, hd, d, kmask, HEAD_DIM)
+                        v = dense_block(rows_ptr, rs0, rs1, rs2, pages, (dense_tpp + slot) * batch + b, hd, d,
                                          kmask, HEAD_DIM)  # fmt: skip
                     else:
                         if HAS_PACKED:
                             row_off = page * ts0 + slot * ts1
                             seg = cb_pages_ptr + tl.load(run + 5)
-                            k = _packed_block(
+                            k = packed_block(
                                 tok_ptr, row_off, 0, b, hd, ts2, ts3, cb_ptr, cs0, cs1, cs2, cs3, seg, batch,
                                 num_heads, d, kmask, cb_rows_per_page, q_ptr,
                                 CODE_KIND, ASYM, QMAX, BLOCK_SIZE, STAGES, PER_HEAD_BYTES, SCALES_OFFSET,
                                 ZEROS_OFFSET, IDS_OFFSET, OUT_KIND, CB_FP8, HEAD_DIM, BLOCK_N, BLOCK_D,
                             )  # fmt: skip
-                            v = _packed_block(
+                            v = packed_block(
                                 tok_ptr, row_off, 1, b, hd, ts2, ts3, cb_ptr, cs0, cs1, cs2, cs3, seg, batch,
                                 num_heads, d, kmask, cb_rows_per_page, q_ptr,
                                 CODE_KIND, ASYM, QMAX, BLOCK_SIZE, STAGES, PER_HEAD_BYTES, SCALES_OFFSET,
@@ -154,7 +154,7 @@ def _attend_split_kernel(
                         else:
                             k = tl.zeros([BLOCK_N, BLOCK_D], q_ptr.dtype.element_ty)
                             v = tl.zeros([BLOCK_N, BLOCK_D], q_ptr.dtype.element_ty)
-                    m_i, l_i, acc = _softmax_step(q, k, v, kmask, m_i, l_i, acc, scale, ACC_T, DOT_PREC, UPCAST)
+                    m_i, l_i, acc = softmax_step(q, k, v, kmask, m_i, l_i, acc, scale, ACC_T, DOT_PREC, UPCAST)
     qrow = qm < q_len
     poff = sp.to(tl.int64) * as0 + bh.to(tl.int64) * as1 + qm.to(tl.int64)[:, None] * as2 + d[None, :] * as3
     tl.store(part_ptr + poff, acc, mask=qmask)
@@ -197,7 +197,7 @@ def _merge_kernel(
         m_i = m_new
     out = (acc / tl.where(l_i > 0, l_i, 1.0)[:, None]).to(tl.float32)
     ooff = b.to(tl.int64) * os0 + qm.to(tl.int64)[:, None] * os1 + h * os2 + d[None, :] * os3
-    tl.store(out_ptr + ooff, _round(out, tl.zeros([1], out_ptr.dtype.element_ty)), mask=qmask)
+    tl.store(out_ptr + ooff, round_to(out, tl.zeros([1], out_ptr.dtype.element_ty)), mask=qmask)
 
 
 @op_entry(AttendArgs)
@@ -253,16 +253,10 @@ def attend_split_triton(a: AttendArgs, out: torch.Tensor, splits: int, **blocks)
 
 
 @op_entry(AttendArgs)
-def attend_triton(
-    a: AttendArgs, out: torch.Tensor, *, splits: int | None = None, key_noise: bool = False, **blocks
-) -> None:
+def attend_triton(a: AttendArgs, out: torch.Tensor, *, splits: int | None = None, **blocks) -> None:
     """`attend_runs_torch` in Triton (arguments: `ops.AttendArgs`, then `out` `[B, Tq, hin, D]`, which it writes):
     one launch, or the keys split into `splits` ranges with a merge launch (this module; None: its
-    `auto_splits` picks, 1 for most calls). `key_noise` (the key-noise bias, `KEY_NOISE`): always one launch (the
-    split kernel has no bias)."""
-    if key_noise:
-        launch_on_device("attention", attend_launch(a, out, key_noise=True, **blocks))
-        return
+    `auto_splits` picks, 1 for most calls)."""
     s = auto_splits(a, **blocks) if splits is None else splits
     if s == 1:
         launch_on_device("attention", attend_launch(a, out, **blocks))

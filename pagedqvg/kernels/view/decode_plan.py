@@ -21,7 +21,7 @@ import torch
 from pagedqvg.kernels.rows import int64_on, record_gather, window_view
 from pagedqvg.kernels.view.dequant import DEQUANT_TILE_ELEMS
 from pagedqvg.quant import PackedFormat
-from pagedqvg.quant.format import _TRIT_WEIGHTS, FP8_DTYPE
+from pagedqvg.quant.format import FP8_DTYPE, TRIT_WEIGHTS
 
 
 @dataclass(frozen=True, slots=True)
@@ -126,7 +126,7 @@ def decode_plan(
     width = D * codebooks.element_size()
     cb_source = window_view(codebooks.view(torch.uint8) if codebooks.dtype != torch.uint8 else codebooks, unit, width)
     if fmt.cfg.pack_trits:
-        unpack = torch.tensor(_TRIT_WEIGHTS, dtype=torch.int32, device=dev)
+        unpack = torch.tensor(TRIT_WEIGHTS, dtype=torch.int32, device=dev)
     else:
         unpack = torch.arange(8 // fmt.bits - 1, -1, -1, dtype=torch.int32, device=dev) * fmt.bits
     m = step * G * heads  # head records per tile

@@ -49,7 +49,7 @@ INT4, INT2, TRITS = 0, 1, 2
 
 
 @triton.jit
-def _fp8e4m3_to_f32(byte):
+def fp8e4m3_to_f32(byte):
     """uint8/int32 fp8 e4m3fn bit patterns -> exact float32 (NaN for S.1111.111; e4m3fn has no infinities)."""
     x = byte.to(tl.uint32) & 0xFF
     sign = (x >> 7) << 31
@@ -63,7 +63,7 @@ def _fp8e4m3_to_f32(byte):
 
 
 @triton.jit
-def _f32_to_bf16_rtne(x):
+def f32_to_bf16_rtne(x):
     """float32 -> bfloat16, round to nearest even (what `torch.Tensor.to(torch.bfloat16)` does), via integer ops."""
     u = x.to(tl.uint32, bitcast=True)
     r = (u + 0x7FFF + ((u >> 16) & 1)) >> 16
@@ -107,9 +107,9 @@ def packed_tile(
 
     # Block scale (and zero): fp8 bytes, decoded exactly.
     blk = d3 // BLOCK_SIZE
-    scale = _fp8e4m3_to_f32(tl.load(rec + SCALES_OFFSET + blk, mask=mask3, other=0))
+    scale = fp8e4m3_to_f32(tl.load(rec + SCALES_OFFSET + blk, mask=mask3, other=0))
     if ASYM:
-        zero = _fp8e4m3_to_f32(tl.load(rec + ZEROS_OFFSET + blk, mask=mask3, other=0))
+        zero = fp8e4m3_to_f32(tl.load(rec + ZEROS_OFFSET + blk, mask=mask3, other=0))
         val = q * scale + zero
     else:
         val = (q - QMAX) * scale
@@ -123,7 +123,7 @@ def packed_tile(
         cptr = cb_ptr + cb_base[None, :, None] + ids * cs2 + d3 * cs3
         cent = tl.load(cptr, mask=mask3, other=0)
         if CB_FP8:
-            centf = _fp8e4m3_to_f32(cent)
+            centf = fp8e4m3_to_f32(cent)
         elif OUT_KIND == 2:
             centf = (cent.to(tl.uint16, bitcast=True).to(tl.uint32) << 16).to(tl.float32, bitcast=True)
         else:
@@ -131,7 +131,7 @@ def packed_tile(
         val = val + centf
 
     if OUT_KIND == 2:  # noqa: SIM108 (a constexpr branch: only one side is compiled)
-        res = _f32_to_bf16_rtne(val)
+        res = f32_to_bf16_rtne(val)
     else:
         res = val.to(out_ptr.dtype.element_ty)
     return res

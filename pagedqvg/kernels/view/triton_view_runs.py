@@ -12,7 +12,7 @@ in source and output). It branches once on the run's kind (a scalar, uniform ove
   tile in registers from the packed token page and the segment's codebook pages — bit-exact with
   `prq_dequantize` (see triton_dequant.py for why);
 - zero: stores `+0.0`;
-- any other kind: writes nothing (`PAGEDQVG_KERNEL_CHECKS=1` and the reference refuse it).
+- any other kind: writes nothing (the debug switch and the reference refuse it).
 
 K and V, every batch element, every run of every segment of the view: one launch, no temporaries, no host-side
 work once the run table exists (the cache keeps it in its view plan). `max_run` bounds the rows per run (the
@@ -108,7 +108,7 @@ def _view_runs_kernel(
 _GRID_YZ_MAX = CUDA_GRID_MAX[1]
 
 #: Format constexprs of a cache without packed sources (the packed branch is not compiled).
-_NO_FORMAT = dict(CODE_KIND=0, ASYM=False, QMAX=0, BLOCK_SIZE=1, STAGES=1, PER_HEAD_BYTES=0, SCALES_OFFSET=0,
+NO_FORMAT = dict(CODE_KIND=0, ASYM=False, QMAX=0, BLOCK_SIZE=1, STAGES=1, PER_HEAD_BYTES=0, SCALES_OFFSET=0,
                   ZEROS_OFFSET=0, IDS_OFFSET=0, CB_FP8=False)  # fmt: skip
 
 
@@ -142,7 +142,7 @@ def view_runs_launch(a: ViewRunsArgs, *, block_rows: int | None = None, block_co
         )
     if fmt is None:  # no packed sources: placeholders the kernel never reads
         tokens_a, codebooks_a, cb_pages_a, cb_rpp = (rows, 0, 0, 0, 0), (rows, 0, 0, 0, 0), runs, 1
-        fmt_kw = dict(_NO_FORMAT, OUT_KIND=OUT_KIND[rows.dtype])
+        fmt_kw = dict(NO_FORMAT, OUT_KIND=OUT_KIND[rows.dtype])
     else:
         assert tokens is not None and codebooks is not None and cb_pages is not None
         codebooks = kernel_codebooks(codebooks)
