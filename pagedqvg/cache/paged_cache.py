@@ -29,6 +29,7 @@ from pagedqvg.cache.args import (
     layer_stores,
     recent_window,
 )
+from pagedqvg.cache.head_groups import update_and_attend_heads
 from pagedqvg.cache.packing import ChunkPacker
 from pagedqvg.cache.readout import CacheReadout
 from pagedqvg.cache.sequencing import CacheSpec, CallPlan, Sequencer
@@ -375,6 +376,9 @@ class PagedCausalKVCache(CacheReadout):
             return self._transactional(write_and_attend)
         finally:
             self.debug_name = own
+
+    #: Attention mode `heads` (cache/head_groups.py): the write, then attention by head groups of the view.
+    update_and_attend_heads = update_and_attend_heads
 
     def _update(self, key, value, current_chunk_start, cache_head_start, recent_window_tokens):
         return self._transactional(
