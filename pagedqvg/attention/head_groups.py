@@ -103,12 +103,12 @@ def attend_head_groups(io: PageIO, plan: ViewPlan, h0: int, query: torch.Tensor,
     groups of `group` heads: per group the view is built into `buffer` (1-D, at least `group_buffer_numel`
     elements of the cache dtype, reused by every group), `attention` is called on the group's `[B, g, T, D]`
     transposes and its output copied into the group's heads of the result. Returns `[B, Tq, Hin, D]` (contiguous) in
-    the attention output's dtype cast to the query's. ValueError (naming the shapes) when `attention` returns
+    the first group's output dtype (the query's for SDPA). ValueError (naming the shapes) when `attention` returns
     something else than a `[B, g, Tq, D]` tensor. Cost: one view build and one attention call per group."""
     B, Tq, hin, D = query.shape
     T = plan.tokens
     cut = group_plans(io, plan, h0, hin, group)
-    out = torch.empty(B, Tq, hin, D, dtype=query.dtype, device=query.device)
+    out: torch.Tensor | None = None  # allocated at the first group's output, in its dtype
     for (a, g), gplan in zip(cut.ranges, cut.plans, strict=True):
         kv = buffer[: 2 * B * T * g * D].view(2, B, T, g, D)
         io.build_view(gplan, h0 + a, g, kv)
@@ -119,8 +119,11 @@ def attend_head_groups(io: PageIO, plan: ViewPlan, h0: int, query: torch.Tensor,
                 f"the attention function returned {shape} for heads [{h0 + a}, {h0 + a + g}); valid: a tensor of "
                 f"shape {(B, g, Tq, D)} ([batch, heads, query tokens, head_dim])"
             )
+        if out is None:
+            out = torch.empty(B, Tq, hin, D, dtype=got.dtype, device=got.device)
         out[:, :, a : a + g].copy_(got.transpose(1, 2))
         del got  # one group's output alive at a time (layout.head_groups.heads_transient_bytes)
+    assert out is not None  # hin >= 1: at least one group
     return out
 
 

@@ -38,7 +38,7 @@ def update_and_attend_heads(
         scale: the default attention's softmax scale (None: SDPA's default); a given `attention` binds its own.
         The rest: as `update_and_get_attention_kv`.
 
-    Returns: `[batch, query tokens, heads, head_dim]` in the query dtype.
+    Returns: `[batch, query tokens, heads, head_dim]` in the attention output's dtype (the query's for SDPA).
 
     Raises: as `update_and_attend`, plus TypeError / ValueError for a bad `attention`, `head_group_size` or `scale`
     (before anything changes) and ValueError for an attention output of the wrong shape; an error raised during the

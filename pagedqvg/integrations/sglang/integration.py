@@ -336,7 +336,7 @@ class _SGLangSurface(PagedCausalKVCache):
             key = key.to(self.dtype)
         if isinstance(value, torch.Tensor) and value.dtype != self.dtype and value.dtype.is_floating_point:
             value = value.to(self.dtype)
-        if _attention.attention_mode() == "pages":  # sglang_attention.py: the view deferred, attention from pages
+        if _attention.attention_mode() in _attention.DEFERRED_MODES:  # attention.py: the view deferred (pages, heads)
             return _attention.pages_view(
                 self, key, value, current_chunk_start, cache_head_start, recent_window_tokens, debug_name
             )
@@ -987,7 +987,7 @@ def install(
             _originals[_CLASS_NAMES[1]] = getattr(modules[QVG_MODULE], _CLASS_NAMES[1])
             _patch_stages(modules, done)
         _patch_bindings(done)
-        if mode == "pages":
+        if mode in _attention.DEFERRED_MODES:
             _attention.patch_attention(_patch, done)
         _attention.set_attention_mode(mode)
         _config.update(pool=pool, memory_fraction=memory_fraction, budget_bytes=budget_bytes)

@@ -19,7 +19,9 @@ Configuration (environment variables, inherited by spawned workers):
     PAGEDQVG_KV_CACHE_QUANT_RECENT  the recent tier's format (the KEEP_RECENT newest completed chunks): bf16 (dense,
                                the default), fp8, int4, int2, compact, no coarser than the history's
     PAGEDQVG_ATTENTION         view (default) | pages: SGLang's causal self-attention computes attention straight
-                               from the pool's pages (`update_and_attend`) instead of over a materialized view
+                               from the pool's pages (`update_and_attend`) instead of over a materialized view |
+                               heads: SGLang's own attention per group of heads over that group's view
+    PAGEDQVG_ATTENTION_HEAD_GROUPS  mode heads: heads per group (an int >= 1); unset or auto: the cost model
     PAGEDQVG=off               disable (the plugin registers nothing)
 pagedqvg is active only with a budget variable (a pool sized without the user's say could take memory SGLang's
 activations need); without one each process logs how to turn it on. Any bad value stops the process with
@@ -109,7 +111,7 @@ class PluginSettings:
     memory_fraction: float | None = None
     quant: dict[str, str] | None = None  # SGLang flag names (kv_cache_quant, kv_cache_quant_centroids, ...)
     given: dict[str, str] = field(default_factory=dict)
-    attention: str = "view"  # PAGEDQVG_ATTENTION: "view" or "pages"
+    attention: str = "view"  # PAGEDQVG_ATTENTION: "view", "pages" or "heads"
 
     def describe(self) -> str:
         """One line: the budget per rank and the quantization."""
@@ -126,8 +128,9 @@ class PluginSettings:
                 quant += " (tiers: " + ", ".join(f"{t} {cfg.tier_format(t)}" for t in ("sink", "recent", "history"))
                 quant += ")"
         return f"pool per rank on its device at the first cache, {size}; quantization: {quant}; attention: " + (
-            "from pages (PAGEDQVG_ATTENTION=pages)" if self.attention == "pages" else "over the view"
-        )
+            "from pages (PAGEDQVG_ATTENTION=pages)" if self.attention == "pages"
+            else "by head groups (PAGEDQVG_ATTENTION=heads)" if self.attention == "heads" else "over the view"
+        )  # fmt: skip
 
 
 def parse_size(variable: str, raw: str) -> int:
@@ -245,11 +248,16 @@ def settings_from_env(env: Mapping[str, str] | None = None) -> PluginSettings:
 
 
 def parse_attention(env: Mapping[str, str]) -> str:
-    """`PAGEDQVG_ATTENTION`: "view" (unset or empty) or "pages"; PluginConfigError naming the value otherwise."""
+    """`PAGEDQVG_ATTENTION`: "view" (unset or empty), "pages" or "heads" (then `PAGEDQVG_ATTENTION_HEAD_GROUPS` is
+    checked too); PluginConfigError naming the value otherwise."""
     from pagedqvg.integrations.sglang.attention import attention_mode_from_env
+    from pagedqvg.integrations.sglang.head_groups import head_group_size_from_env
 
     try:
-        return attention_mode_from_env(env)
+        mode = attention_mode_from_env(env)
+        if mode == "heads":
+            head_group_size_from_env(env)  # checked here: a bad value stops the process before anything registers
+        return mode
     except CacheConfigError as exc:
         raise PluginConfigError(str(exc)) from None
 
@@ -310,9 +318,9 @@ def _require_hooks_applied(*args: Any, **kwargs: Any) -> None:
 
 def _hook_targets() -> tuple[str, ...]:
     """The targets this process's hooks must have patched: the allocations, and the attention layer in pages mode."""
-    from pagedqvg.integrations.sglang.attention import attention_mode
+    from pagedqvg.integrations.sglang.attention import DEFERRED_MODES, attention_mode
 
-    pages = (ATTENTION_TARGET,) if attention_mode() == "pages" else ()
+    pages = (ATTENTION_TARGET,) if attention_mode() in DEFERRED_MODES else ()
     return HOOK_TARGETS + FORWARD_TARGETS + (DISPOSE_TARGET,) + pages
 
 
@@ -359,10 +367,12 @@ def register() -> None:
     )
     plugin_hook(HOOK_TARGETS[0], HookType.AROUND)(integ.allocate_around)
     plugin_hook(HOOK_TARGETS[1], HookType.AROUND)(integ.lingbot_allocate_around)
-    if settings.attention == "pages":
+    if settings.attention in ("pages", "heads"):
         from pagedqvg.integrations.sglang.attention import pages_attention_around, set_attention_mode
+        from pagedqvg.integrations.sglang.head_groups import head_group_size_from_env, set_head_group_size
 
-        set_attention_mode("pages")
+        set_attention_mode(settings.attention)
+        set_head_group_size(head_group_size_from_env())
         plugin_hook(ATTENTION_TARGET, HookType.AROUND)(pages_attention_around)
     _register_session_hooks(plugin_hook, HookType)
     plugin_hook(WORKER_TARGET, HookType.BEFORE)(_require_hooks_applied)
