@@ -133,3 +133,27 @@ def test_group_ranges_and_transient_arithmetic():
     assert heads_transient_bytes(1, 4680, 40, 128, torch.bfloat16, 28080, 10) == (
         (2 * 28080 * 10 + 4680 * 40 + 4680 * 10) * 128 * 2
     )
+
+
+def test_attention_modes_doc_figures_are_the_codes():
+    """docs/ATTENTION_MODES.md's per-preset group choices and transients, recomputed."""
+    import os
+
+    from pagedqvg.planning.planner import Geometry, closed_form_view_tokens
+    from pagedqvg.planning.presets import get_preset
+
+    path = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "docs", "ATTENTION_MODES.md")
+    with open(path, encoding="utf-8") as f:
+        doc = f.read()
+    for name in ("lingbot-world", "longlive2", "self-forcing"):
+        w = get_preset(name)
+        g = Geometry.from_workload(w)
+        T, Tq, H, D = closed_form_view_tokens(g), g.chunk_tokens, w.heads, w.head_dim
+        best = choose_head_group(1, Tq, H, D, torch.bfloat16, T)
+        tflop = 4 * Tq * T * H * D / 1e12
+        eff = best.wave_efficiency
+        row = f"| {Tq:,} | {T:,} | {H} × {D} | {tflop:.2f} | {best.group} ({best.groups} groups, {eff:.1%}"
+        assert row in doc, (name, row)
+        assert f"| heads (g={best.group}) |" in doc and f"{best.transient_bytes / 2**20:,.1f} MiB" in doc, name
+        view = view_transient_bytes(1, Tq, H, D, torch.bfloat16, T)
+        assert f"{view / 2**20:,.1f} MiB (view {2 * T * H * D * 2 / 2**20:,.1f} MiB)" in doc, name
