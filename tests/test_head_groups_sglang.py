@@ -201,3 +201,25 @@ def test_default_allowlist_is_data_and_proven_here(patched):
         want = run("view", packed_cache, layer)
         got = run("heads", packed_cache, layer, 1)
         assert all(torch.equal(a, b) for a, b in zip(got, want, strict=True))
+
+
+def test_a_repeated_heads_call_reads_nothing_back(patched, monkeypatch, production):
+    """A denoise step's repeated call in mode heads (pending view, then LocalAttention per group): no read of tensor
+    data back to the host, and the output of the first call again."""
+    from test_repeated_call import no_host_reads
+
+    layer = LocalAttention()
+    attn.set_attention_mode("heads")
+    hg.set_head_group_size(2)
+    cache = packed_cache()
+    seq = list(calls())[:7]
+    for q, kw in seq:
+        view = cache.update_and_get_attention_kv(**kw)
+        first = layer.forward(q, view.k, view.v)
+    q, kw = seq[-1]
+    reads = no_host_reads(monkeypatch)
+    view = cache.update_and_get_attention_kv(**kw)
+    again = layer.forward(q, view.k, view.v)
+    monkeypatch.undo()
+    assert reads == [], reads
+    assert torch.equal(again, first)
