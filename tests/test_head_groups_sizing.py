@@ -157,3 +157,29 @@ def test_attention_modes_doc_figures_are_the_codes():
         assert f"| heads (g={best.group}) |" in doc and f"{best.transient_bytes / 2**20:,.1f} MiB" in doc, name
         view = view_transient_bytes(1, Tq, H, D, torch.bfloat16, T)
         assert f"{view / 2**20:,.1f} MiB (view {2 * T * H * D * 2 / 2**20:,.1f} MiB)" in doc, name
+
+
+def test_lingbot_world_target_frames_with_the_heads_transient(monkeypatch):
+    """Issue 29's target, with the planner's transient replaced by `heads_transient_bytes` (the integrator wires
+    `plan --attention heads`): LingBot-World, 24 GiB, the recommended tiers (sink int4 / recent int4 / history
+    compact): view 105 frames, pages 126, heads in groups of 7 (93.4% wave efficiency on 132 SMs) 123 >= 122."""
+    import dataclasses
+
+    from pagedqvg import QuantConfig
+    from pagedqvg.planning import planner
+    from pagedqvg.planning.presets import get_preset
+
+    w = get_preset("lingbot-world")
+    geom = planner.Geometry.from_workload(w, QuantConfig.compact(sink_format="int4", recent_format="int4"))
+    budget = 24 << 30
+    modes = ("view", "pages")
+    frames = {m: planner.max_window_frames(dataclasses.replace(geom, attention=m), budget, 3) for m in modes}
+    assert frames == {"view": 105, "pages": 126}
+
+    def heads_transient(self, view_tokens):
+        return heads_transient_bytes(self.batch_size, self.chunk_tokens, self.heads, self.head_dim, self.dtype,
+                                     view_tokens, 7)  # fmt: skip
+
+    monkeypatch.setattr(planner.Geometry, "transient_bytes", heads_transient)
+    assert wave_efficiency(1, geom.chunk_tokens, geom.heads, 7) >= 0.9
+    assert planner.max_window_frames(geom, budget, 3) == 123
