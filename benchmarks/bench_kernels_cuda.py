@@ -119,6 +119,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--centroids", type=int, default=None, help="k-means centroids (default 128; 8 with --tiny)")
     p.add_argument("--no-packed", action="store_true", help="skip the packed view build and k-means parts")
     p.add_argument("--no-attention", action="store_true", help="skip the attention-from-pages section")
+    p.add_argument("--no-heads", action="store_true", help="skip the attention-by-head-groups section")
     p.add_argument("--json", default=None, help="also write the results to this JSON file")
     return p.parse_args(argv)
 
@@ -170,6 +171,10 @@ def main(argv: list[str] | None = None) -> int:
         from attention_cuda_section import bench_attention
 
         ok &= bench_attention(device, dtype, args.tiny, args.iters if device.type == "cuda" else 1)
+    if not args.no_heads:  # attention by head groups, mode heads (benchmarks/heads_cuda_section.py)
+        from heads_cuda_section import bench_heads
+
+        ok &= bench_heads(device, dtype, args.tiny, args.iters if device.type == "cuda" else 1)
 
     if device.type == "cuda":
         ok &= check_spills(device)

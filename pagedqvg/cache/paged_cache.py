@@ -28,6 +28,7 @@ from pagedqvg.cache.args import (
     recent_window,
     removed_keywords_error,
 )
+from pagedqvg.cache.head_groups import update_and_attend_heads
 from pagedqvg.cache.packing import ChunkPacker
 from pagedqvg.cache.readout import CacheReadout, readout_method, readout_property
 from pagedqvg.cache.sequencing import CacheSpec, CallPlan, Sequencer
@@ -382,6 +383,9 @@ class PagedCausalKVCache:
             return self._transactional(write_and_attend)
         finally:
             self.debug_name = own
+
+    #: Attention mode `heads` (cache/head_groups.py): the write, then attention by head groups of the view.
+    update_and_attend_heads = update_and_attend_heads
 
     def _update(self, key, value, current_chunk_start, cache_head_start, recent_window_tokens):
         return self._transactional(

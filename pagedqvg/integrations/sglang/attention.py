@@ -21,13 +21,17 @@ import torch
 from torch.utils._pytree import tree_map
 
 from pagedqvg.errors import CacheConfigError, IntegrationError
+from pagedqvg.integrations.sglang.head_groups import heads_attention
 from pagedqvg.integrations.sglang.runtime import integration
 from pagedqvg.integrations.sglang.versions import CURRENT, targets_for
 
 #: The environment variable the plugin reads (`attention_mode_from_env`).
 ATTENTION_ENV = "PAGEDQVG_ATTENTION"
-#: Valid modes: `view` (SGLang attends over the materialized view; default) and `pages`.
-ATTENTION_MODES = ("view", "pages")
+#: Valid modes: `view` (SGLang attends over the materialized view; default), `pages` and `heads` (SGLang's forward
+#: per head group over that group's view: head_groups.py).
+ATTENTION_MODES = ("view", "pages", "heads")
+#: The modes whose cache calls defer the view (`pages_view`) and whose `LocalAttention.forward` is wrapped.
+DEFERRED_MODES = ("pages", "heads")
 #: SGLang's `LocalAttention.forward` (the attention every causal self-attention calls): versions.py's table.
 ATTENTION_TARGET = targets_for(CURRENT, "attention")[0]
 ATTENTION_LAYER_MODULE = ATTENTION_TARGET.module
@@ -66,6 +70,7 @@ class PendingPages:
         self.cache, self.plan, self.h0, self.hin, self.ls, self.le = cache, plan, h0, hin, ls, le
         self.epoch = _epoch(cache)
         self.state = cache._seq.state
+        self.mode = attention_mode()  # "pages" or "heads": how the LocalAttention wrapper attends
         self.view: Any = None
 
     def _check_current(self, what: str) -> None:
@@ -155,7 +160,7 @@ def pages_view(cache: Any, key, value, current_chunk_start, cache_head_start, re
 def _pages_forward(original):
     def forward(self, q, k, v, attn_mask=None):
         if _is_pages_pair(q, k, v, attn_mask):
-            return k.pending.attend(q, float(self.softmax_scale))
+            return _attend_pair(original, self, q, k)
         return original(self, q, k, v, attn_mask)
 
     forward.__wrapped__ = original
@@ -179,8 +184,15 @@ def pages_attention_around(original: Any, layer: Any, q: Any, k: Any, v: Any, at
     """AROUND hook (SGLang's `plugin_hook`, the entry-point plugin's way in) for `LocalAttention.forward`: attention
     from pages for a pages-mode view, SGLang's own forward otherwise."""
     if _is_pages_pair(q, k, v, attn_mask):
-        return k.pending.attend(q, float(layer.softmax_scale))
+        return _attend_pair(original, layer, q, k)
     return original(layer, q, k, v, attn_mask)
+
+
+def _attend_pair(original: Any, layer: Any, q: Any, k: Any) -> Any:
+    """A pending view's attention: from pages (mode `pages`) or SGLang's forward per head group (`heads`)."""
+    if k.pending.mode == "heads":
+        return heads_attention(original, layer, q, k.pending)
+    return k.pending.attend(q, float(layer.softmax_scale))
 
 
 def patch_attention(patch: Any, done: list[str]) -> None:

@@ -244,7 +244,7 @@ def install(
                 integ.originals[t.qualname] = getattr(modules[t.module], t.qualname)
             _patch_stages(modules, done)
         _patch_bindings(done)
-        if mode == "pages":
+        if mode in _attention.DEFERRED_MODES:
             _attention.patch_attention(_patch, done)
         _attention.set_attention_mode(mode)
         integ.configure(pool=pool, memory_fraction=memory_fraction, budget_bytes=budget_bytes)

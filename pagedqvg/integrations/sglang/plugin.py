@@ -20,7 +20,9 @@ Configuration (environment variables, inherited by spawned workers):
     PAGEDQVG_KV_CACHE_QUANT_RECENT  the recent tier's format (the KEEP_RECENT newest completed chunks): bf16 (dense,
                                the default), fp8, int4, int2, compact, no coarser than the history's
     PAGEDQVG_ATTENTION         view (default) | pages: SGLang's causal self-attention computes attention straight
-                               from the pool's pages (`update_and_attend`) instead of over a materialized view
+                               from the pool's pages (`update_and_attend`) instead of over a materialized view |
+                               heads: SGLang's own attention per group of heads over that group's view
+    PAGEDQVG_ATTENTION_HEAD_GROUPS  mode heads: heads per group (an int >= 1); unset or auto: the cost model
     PAGEDQVG=off               disable (the plugin registers nothing)
 The variables are parsed once, at registration, into `PluginSettings` (the quantization a `QuantConfig`, tiers
 included), which configures the process's one integration object (`runtime.integration()`). Any
@@ -105,7 +107,7 @@ class PluginSettings:
     memory_fraction: float | None = None
     quant: QuantConfig | None = None
     given: dict[str, str] = field(default_factory=dict)
-    attention: str = "view"  # PAGEDQVG_ATTENTION: "view" or "pages"
+    attention: str = "view"  # PAGEDQVG_ATTENTION: "view", "pages" or "heads"
 
     def describe(self) -> str:
         """One line: the budget per rank and the quantization."""
@@ -122,8 +124,9 @@ class PluginSettings:
                 quant += " (tiers: " + ", ".join(f"{t} {cfg.tier_format(t)}" for t in ("sink", "recent", "history"))
                 quant += ")"
         return f"pool per rank on its device at the first cache, {size}; quantization: {quant}; attention: " + (
-            "from pages (PAGEDQVG_ATTENTION=pages)" if self.attention == "pages" else "over the view"
-        )
+            "from pages (PAGEDQVG_ATTENTION=pages)" if self.attention == "pages"
+            else "by head groups (PAGEDQVG_ATTENTION=heads)" if self.attention == "heads" else "over the view"
+        )  # fmt: skip
 
 
 def parse_size(variable: str, raw: str) -> int:
@@ -241,11 +244,16 @@ def settings_from_env(env: Mapping[str, str] | None = None) -> PluginSettings:
 
 
 def parse_attention(env: Mapping[str, str]) -> str:
-    """`PAGEDQVG_ATTENTION`: "view" (unset or empty) or "pages"; PluginConfigError naming the value otherwise."""
+    """`PAGEDQVG_ATTENTION`: "view" (unset or empty), "pages" or "heads" (then `PAGEDQVG_ATTENTION_HEAD_GROUPS` is
+    checked too); PluginConfigError naming the value otherwise."""
     from pagedqvg.integrations.sglang.attention import attention_mode_from_env
+    from pagedqvg.integrations.sglang.head_groups import head_group_size_from_env
 
     try:
-        return attention_mode_from_env(env)
+        mode = attention_mode_from_env(env)
+        if mode == "heads":
+            head_group_size_from_env(env)  # checked here: a bad value stops the process before anything registers
+        return mode
     except CacheConfigError as exc:
         raise PluginConfigError(str(exc)) from None
 
@@ -323,9 +331,9 @@ def _require_hooks_applied(*args: Any, **kwargs: Any) -> None:
 def _hook_targets() -> tuple[str, ...]:
     """The targets this process's hooks must have patched: the allocations, the request ends, the realtime release,
     and the attention layer in pages mode."""
-    from pagedqvg.integrations.sglang.attention import attention_mode
+    from pagedqvg.integrations.sglang.attention import DEFERRED_MODES, attention_mode
 
-    pages = (ATTENTION_TARGET,) if attention_mode() == "pages" else ()
+    pages = (ATTENTION_TARGET,) if attention_mode() in DEFERRED_MODES else ()
     return HOOK_TARGETS + FORWARD_TARGETS + (DISPOSE_TARGET,) + pages
 
 
@@ -379,9 +387,13 @@ def register() -> None:
         quant_override=settings.quant is not None,
     )
     set_attention_mode(settings.attention)
+    if settings.attention == "heads":
+        from pagedqvg.integrations.sglang.head_groups import head_group_size_from_env, set_head_group_size
+
+        set_head_group_size(head_group_size_from_env())
     hooks = _hooks()
     for target in table:
-        if target.kind in hooks and (target.kind != "attention" or settings.attention == "pages"):
+        if target.kind in hooks and (target.kind != "attention" or settings.attention in ("pages", "heads")):
             hook, kind = hooks[target.kind]
             plugin_hook(target.path, getattr(HookType, kind))(hook)
     state = integration()

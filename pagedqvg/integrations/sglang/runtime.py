@@ -80,7 +80,7 @@ class SGLangIntegration:
         cache_listeners: called as listener(stage, caches) after every allocation.
         request_listeners: called as listener(stage, pools) after every request end.
         managers: id(pool) -> its `SessionManager`; scopes: this thread's open request scopes (`.stack`).
-        attention_mode: `view` or `pages` (`attention.py`).
+        attention_mode: `view`, `pages` or `heads` (`attention.py`); head_group*: mode heads' group size (`head_groups.py`).
         announced: the pools and (device key, PoolShape) pairs already logged (the plugin's log lines).
     """
 
@@ -107,6 +107,12 @@ class SGLangIntegration:
             self.originals: dict[str, Any] = {}
             self.managers: dict[int, SessionManager] = {}
             self.attention_mode = "view"
+            # mode heads (head_groups.py): the fixed heads per group (None: the cost model), whether the environment
+            # was read, and the cost model's choice per call shape
+            self.head_group: int | None = None
+            self.head_group_read_env = False
+            self.head_group_choices: dict[tuple, int] = {}
+            self.heads_said: set[str] = set()  # fallback reasons already logged
             self.announced: set = set()  # the pools and (pool, shape) pairs the plugin has logged
 
     def configure(

@@ -1,0 +1,162 @@
+"""SGLang attention mode `heads` (`PAGEDQVG_ATTENTION=heads`): SGLang's own `LocalAttention.forward` called once per
+group of heads over that group's view (attention/head_groups.py), so the user's attention backend (FlashAttention,
+SDPA, cuDNN, Sage) runs unchanged with a transient of one group's view instead of the whole view.
+
+As in mode `pages` the cache call defers the view (`attention.PendingPages`: `PagesKV` tensors); the wrapper of
+`LocalAttention.forward` (attention.py) hands a `(k, v)` pair of one pending view without a mask to
+`heads_attention` here, which calls the original forward per group: `q[:, :, group]` and the group's `[B, T, g, D]`
+view, each output copied into its heads of the result. Everything else behaves as mode `view`.
+
+A call runs whole, as mode `view` (the view built, the original forward called once; one log line per reason) when
+heads would not give view mode's result or would not save memory: a backend not known to compute heads
+independently (`PER_HEAD_BACKENDS`: sliding-tile, video-sparse and other head-indexed or block-sparse kernels are
+not in it), a query with other heads than the view (GQA: SGLang repeats K/V heads), or SGLang's attention autotune
+not yet decided while the whole call is large enough to trigger it (`AUTOTUNE_MIN_NUMEL` query elements: the
+autotune must time the whole call, as in mode view, not a group, so no group switches backend where the whole
+call would not; after it has chosen, groups run the chosen backend; below the threshold no call tunes).
+
+Group size: `PAGEDQVG_ATTENTION_HEAD_GROUPS` (heads per group, an int >= 1, clamped to the call's heads; unset,
+empty or `auto`: the cost model `layout.head_groups.choose_head_group` with the device's SM count and, on CUDA, the
+free device memory as the budget, once per call shape). Composes with Ulysses: the cache call's heads are the rank's
+head slice, cut into groups.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from collections.abc import Mapping
+from typing import Any
+
+import torch
+
+from pagedqvg.attention.head_groups import attend_head_groups, group_buffer_numel
+from pagedqvg.errors import CacheConfigError
+from pagedqvg.integrations.sglang.runtime import integration
+from pagedqvg.layout.head_groups import DEFAULT_SMS, choose_head_group
+
+__all__ = [
+    "AUTOTUNE_MIN_NUMEL", "HEADS_DEFAULT_ALLOWLIST", "HEAD_GROUPS_ENV", "PER_HEAD_BACKENDS", "fallback_reason",
+    "head_group_size_from_env", "heads_attention", "heads_is_default", "set_head_group_size",
+]  # fmt: skip
+
+#: The environment variable of the group size (heads per group).
+HEAD_GROUPS_ENV = "PAGEDQVG_ATTENTION_HEAD_GROUPS"
+#: SGLang's attention autotune looks only at calls of at least this many query elements (its `_MIN_TUNE_NUMEL`,
+#: sglang/multimodal_gen/runtime/layers/attention/autotune.py).
+AUTOTUNE_MIN_NUMEL = 4 << 20
+#: SGLang backends (`AttentionBackendEnum` names) whose attention of a head depends on that head's q, k, v only and
+#: that take any head count: mode `heads` runs them per group. Any other backend runs whole (mode `view`).
+PER_HEAD_BACKENDS = frozenset({"TORCH_SDPA", "FA", "FA2", "FA3", "FA4", "SAGE_ATTN", "SAGE_ATTN_3", "AITER"})
+#: `(backend, device type, torch version prefix)` on which mode `heads` is proven bit-identical to mode `view` and no
+#: slower beyond a stated margin, so it may be the default there: SGLang's SDPA backend on CPU under torch 2.13
+#: (tests/test_head_groups_sglang.py proves the bits; on CPU it builds less memory and calls the same kernel).
+#: GPU entries are added only from `benchmarks/bench_kernels_cuda.py` runs (docs/ATTENTION_MODES.md).
+HEADS_DEFAULT_ALLOWLIST: tuple[tuple[str, str, str], ...] = (("TORCH_SDPA", "cpu", "2.13"),)
+
+_log = logging.getLogger("pagedqvg")
+
+
+def heads_is_default(backend: str, device_type: str, torch_version: str) -> bool:
+    """Whether mode `heads` is proven for `(backend, device_type, torch_version)` (`HEADS_DEFAULT_ALLOWLIST`;
+    the version matches by prefix: "2.13" covers "2.13.0+cpu")."""
+    return any(
+        backend == b and device_type == d and (torch_version == v or torch_version.startswith(v + "."))
+        for b, d, v in HEADS_DEFAULT_ALLOWLIST
+    )
+
+
+def head_group_size_from_env(environ: Mapping[str, str] | None = None) -> int | None:
+    """`PAGEDQVG_ATTENTION_HEAD_GROUPS`: heads per group (an int >= 1), or None (unset, empty or `auto`: the cost
+    model). CacheConfigError naming the variable, the value and the valid forms otherwise."""
+    raw = (os.environ if environ is None else environ).get(HEAD_GROUPS_ENV, "").strip()
+    if raw.lower() in ("", "auto"):
+        return None
+    if not raw.isdigit() or int(raw) < 1:
+        raise CacheConfigError(f"{HEAD_GROUPS_ENV}={raw!r} is not a group size; valid: an int >= 1 (heads per "
+                               f"group), or auto / unset (the cost model)")  # fmt: skip
+    return int(raw)
+
+
+def set_head_group_size(group: int | None) -> int | None:
+    """Fix the heads per group of every `heads` call from now on (None: the cost model; the environment is not read
+    afterwards); returns the previous setting. CacheConfigError for a non-int or a value < 1."""
+    if group is not None and (isinstance(group, bool) or not isinstance(group, int) or group < 1):
+        raise CacheConfigError(f"head group size {group!r}; valid: an int >= 1 (heads per group) or None")
+    state = integration()
+    before = state.head_group
+    state.head_group, state.head_group_read_env = group, True
+    return before
+
+
+def _group_size(batch: int, tq: int, hin: int, d: int, dtype: torch.dtype, tokens: int, device: torch.device) -> int:
+    """The heads per group of a call: the fixed size (clamped to `hin`), else the cost model's choice, computed once
+    per call shape and device (the SM count; on CUDA the free memory as the budget)."""
+    state = integration()
+    if not state.head_group_read_env:
+        state.head_group, state.head_group_read_env = head_group_size_from_env(), True
+    if state.head_group is not None:
+        return min(state.head_group, hin)
+    key = (batch, tq, hin, d, dtype, tokens, str(device))
+    got = state.head_group_choices.get(key)
+    if got is None:
+        sms, budget = DEFAULT_SMS, None
+        if device.type == "cuda":
+            sms = torch.cuda.get_device_properties(device).multi_processor_count
+            budget = torch.cuda.mem_get_info(device)[0]
+        got = state.head_group_choices[key] = choose_head_group(batch, tq, hin, d, dtype, tokens, budget_bytes=budget,
+                                                         sms=sms).group  # fmt: skip
+    return got
+
+
+def _autotune_pending(layer: Any) -> bool:
+    """Whether SGLang's autotune still waits for this layer's first call worth timing (its `tuning_forward` wrapper
+    is the backend's forward)."""
+    forward = getattr(getattr(layer, "attn_impl", None), "forward", None)
+    return getattr(forward, "__name__", "") == "tuning_forward"
+
+
+def fallback_reason(layer: Any, q: torch.Tensor, hin: int) -> str | None:
+    """Why this `LocalAttention` call must run whole (mode `view`), or None: it may run by head groups."""
+    backend = getattr(getattr(layer, "backend", None), "name", None)
+    if backend not in PER_HEAD_BACKENDS:
+        return f"backend {backend} is not known to attend heads independently (known: {sorted(PER_HEAD_BACKENDS)})"
+    if q.dim() != 4 or q.shape[2] != hin:
+        return f"query of shape {tuple(q.shape)} has other heads than the view's {hin} (GQA)"
+    if q.numel() >= AUTOTUNE_MIN_NUMEL and _autotune_pending(layer):
+        return "SGLang's attention autotune has not chosen yet: this call runs whole so that it times the whole call"
+    return None
+
+
+def _say_once(reason: str) -> None:
+    if reason not in integration().heads_said:
+        integration().heads_said.add(reason)
+        _log.info("pagedqvg: attention heads: running the call whole (mode view): %s", reason)
+
+
+def heads_attention(original: Any, layer: Any, q: torch.Tensor, pending: Any) -> torch.Tensor:
+    """Mode `heads` of `LocalAttention.forward(q, k, v)` for `(k, v)` of the pending view `pending`: SGLang's
+    `original` forward per head group (or once over the built view: `fallback_reason`). `[B, Tq, Hin, D]`, what the
+    original forward returns, head by head."""
+    reason = fallback_reason(layer, q, pending.hin)
+    if reason is not None or pending.view is not None:
+        if reason is not None:
+            _say_once(reason)
+        k, v = pending.materialize()
+        return original(layer, q, k, v, None)
+    pending._check_current("attention")
+    cache = pending.cache
+    B, Tq, hin, D = q.shape
+    plan = pending.plan
+    group = _group_size(B, Tq, hin, D, cache.dtype, plan.tokens, cache.device)
+    n = group_buffer_numel(cache._io, plan, group)
+    if cache.reuse_view_buffer:
+        buffer = cache.pool.view_buffer(n, cache.dtype)
+    else:
+        buffer = torch.empty(n, dtype=cache.dtype, device=cache.device)
+
+    def attend(qt: torch.Tensor, kt: torch.Tensor, vt: torch.Tensor) -> torch.Tensor:
+        out = original(layer, qt.transpose(1, 2), kt.transpose(1, 2), vt.transpose(1, 2), None)
+        return out.transpose(1, 2)
+
+    return attend_head_groups(cache._io, plan, pending.h0, q, attend, group, buffer)
