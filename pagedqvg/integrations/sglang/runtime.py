@@ -80,7 +80,8 @@ class SGLangIntegration:
         cache_listeners: called as listener(stage, caches) after every allocation.
         request_listeners: called as listener(stage, pools) after every request end.
         managers: id(pool) -> its `SessionManager`; scopes: this thread's open request scopes (`.stack`).
-        attention_mode: `view`, `pages` or `heads` (`attention.py`); head_group*: mode heads' group size (`head_groups.py`).
+        attention_mode: `view`, `pages` or `heads` (`attention.py`).
+        head_group, head_group_read_env, head_group_choices, heads_said: mode heads (`head_groups.py`).
         announced: the pools and (device key, PoolShape) pairs already logged (the plugin's log lines).
     """
 
