@@ -74,10 +74,12 @@ def attention_error_bound(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, sca
 
 
 def assert_attention_within_bound(out: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-                                  scale: float | None = None, exact: torch.Tensor | None = None) -> float:  # fmt: skip
+                                  scale: float | None = None, exact: torch.Tensor | None = None,
+                                  not_vacuous: bool = True) -> float:  # fmt: skip
     """Assert `out` (any path's attention of `q` over `k`, `v`, in `q`'s dtype) within `attention_error_bound` of
-    fp64 attention (`exact`, computed here when None), and the bound below 5% of max |v| (not vacuous).
-    Returns the largest error / bound ratio (<= 1)."""
+    fp64 attention (`exact`, computed here when None), and (`not_vacuous`) the bound below 5% of max |v|: false for
+    adversarial scores (|q·k·scale| ~ 1e4, where fp32 itself guarantees only ~10%; the bound still catches NaN,
+    inf and a wrong dominant key). Returns the largest error / bound ratio (<= 1)."""
     qd, kd, vd = (t.double().transpose(1, 2) for t in (q, k, v))
     if exact is None:
         exact = torch.nn.functional.scaled_dot_product_attention(qd, kd, vd, scale=scale).transpose(1, 2)
@@ -85,5 +87,6 @@ def assert_attention_within_bound(out: torch.Tensor, q: torch.Tensor, k: torch.T
     err = (out.double() - exact).abs()
     worst = (err / bound.clamp_min(1e-300)).max().item()
     assert bool((err <= bound).all()), f"attention error {err.max().item():.3e} beyond the proven bound (ratio {worst})"
-    assert bound.max().item() <= 0.05 * vd.abs().amax().item(), "bound too loose to catch a wrong row"
+    loose = not_vacuous and bound.max().item() > 0.05 * vd.abs().amax().item()
+    assert not loose, "bound too loose to catch a wrong row"
     return worst
