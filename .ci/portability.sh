@@ -11,7 +11,7 @@
 #            (the reporter's AMD EPYC without AVX-512, where 4 tests used to fail)
 #   generic: OPENBLAS_CORETYPE=Prescott ATEN_CPU_CAPABILITY=default MKL_ENABLE_INSTRUCTIONS=SSE4_2
 # A combination the CPU lacks falls back to what it has (the run then repeats the native one). The avx2 run is
-# skipped where the CPU has no AVX-512 (avx2 is then the native set, which the main suite ran). ~8 min on 2 cores.
+# skipped where the CPU has no AVX-512 (avx2 is then the native set, which the main suite ran). ~9 min on 2 cores.
 #
 # Environment: PYTHON (default the `python` on PATH). Exit status: non-zero if any run fails.
 set -euo pipefail
@@ -31,6 +31,9 @@ kernel_select="kmeans or packed_views or packed_store or mixed_views or fp8"
 # SGLang's mode `pages`; the Triton attention files run in the interpreter, whose tl.dot is numpy's: OPENBLAS_CORETYPE).
 torch_files=(tests/test_quant_prq.py tests/test_quant_format.py tests/test_cache_quant.py tests/test_synthetic.py
   tests/test_attention.py tests/test_integrations_sglang_pages.py)
+# The Triton attention kernels (interpreter: tl.dot is numpy's OpenBLAS) within the same bound, in the generic run
+# only (~4.5 min on 2 cores each time).
+generic_files=(tests/test_attention_triton.py tests/test_attention_split.py)
 
 start=$SECONDS
 status=0
@@ -52,6 +55,9 @@ EOF
   t0=$SECONDS
   "$PYTHON" -m pytest -q -p no:cacheprovider "${kernel_files[@]}" -k "$kernel_select" "$@" || status=1
   "$PYTHON" -m pytest -q -p no:cacheprovider "${torch_files[@]}" "$@" || status=1
+  if [[ $name == generic ]]; then
+    "$PYTHON" -m pytest -q -p no:cacheprovider "${generic_files[@]}" "$@" || status=1
+  fi
   echo "portability: $name ($openblas/$aten/$mkl) done in $((SECONDS - t0)) s" >&2
 done
 echo "portability: exit $status after $((SECONDS - start)) s" >&2
