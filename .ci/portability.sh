@@ -32,7 +32,7 @@ kernel_select="kmeans or packed_views or packed_store or mixed_views or fp8"
 torch_files=(tests/test_quant_prq.py tests/test_quant_format.py tests/test_cache_quant.py tests/test_synthetic.py
   tests/test_attention.py tests/test_integrations_sglang_pages.py)
 # The Triton attention kernels (interpreter: tl.dot is numpy's OpenBLAS) within the same bound, in the generic run
-# only (~4.5 min on 2 cores each time).
+# only (95 s CPU, 2-4.5 min wall on 2 cores).
 generic_files=(tests/test_attention_triton.py tests/test_attention_split.py)
 
 start=$SECONDS
