@@ -30,6 +30,12 @@ from pagedqvg.planning.presets import get_preset
 from pagedqvg.quant import PackedFormat, QuantConfig
 
 README = Path(__file__).resolve().parent.parent / "README.md"
+#: The user docs the figures and examples may sit in: README.md and docs/*.md (read as one text, README first).
+DOCS = (README, *sorted((README.parent / "docs").glob("*.md")))
+
+
+def _docs_text() -> str:
+    return "\n".join(p.read_text(encoding="utf-8") for p in DOCS)
 CHUNK = 4680  # one LingBot-World chunk: 3 frames x 1,560 tokens
 HEAD_DIM = 128
 FULL_PRESETS = ("lingbot-world", "longlive2", "self-forcing")
@@ -246,7 +252,7 @@ def exact_figures() -> list[Figure]:
 
 
 def readme_lines() -> list[str]:
-    return [line.replace("**", "") for line in README.read_text(encoding="utf-8").splitlines()]
+    return [line.replace("**", "") for line in _docs_text().splitlines()]
 
 
 def find(figure: Figure, lines: list[str]) -> bool:
@@ -260,7 +266,7 @@ def readme_plan_blocks() -> list[tuple[list[str], list[str]]]:
     """(argv, README lines) of every `$ pagedqvg plan ...` / `$ pagedqvg simulate ...` example in a text block."""
     blocks: list[tuple[list[str], list[str]]] = []
     in_text = False
-    for line in README.read_text(encoding="utf-8").splitlines():
+    for line in _docs_text().splitlines():
         if line.startswith("```"):
             in_text = line.strip() == "```text"
             continue

@@ -1,14 +1,15 @@
-"""`PagedCausalKVCache.update_and_attend`: the same writes as `update_and_get_attention_kv` (twin caches end in the
-same state), attention over exactly the view's rows within 1.5x SDPA's error (both against fp64 attention over the
-materialized view; every dtype, quant off and on, head slices, recent window, pinned sink, zero rows, adversarial
-scores, one key, long windows in many tiles), typed errors that change nothing, and transient bytes independent of
-the window (counted exactly) and within `attention_scratch_bytes`."""
+"""`PagedCausalKVCache.update_and_attend`: the same writes as `update_and_get_attention_kv` (twin caches end in the same
+state), attention over exactly the view's rows within the proven fp32 bound of fp64 attention over the materialized
+view (tests/float_bounds.py; every dtype, quant off and on, head slices, recent window, pinned sink, zero rows,
+adversarial scores, one key, long windows in many tiles), typed errors that change nothing, and transient bytes
+independent of the window (counted exactly) and within `attention_scratch_bytes`."""
 
 from __future__ import annotations
 
 import pytest
 import torch
 import torch.nn.functional as F
+from float_bounds import assert_attention_within_bound
 from helpers import cache_state, page_io, same
 from memory_count import AllocatedBytes
 
@@ -73,7 +74,9 @@ def call_both(a, b, q, k, v, start, scale=None, **kw):
     e_sdpa = (sdpa(q, view.k, view.v, scale).double() - ref).norm().item()
     e_ours = (out.double() - ref).norm().item()
     assert torch.isfinite(out).all()
-    assert e_ours <= RATIO * e_sdpa, (e_ours, e_sdpa, start, kw)
+    # the proven fp32 bound (tests/float_bounds.py), not a ratio to SDPA's error on this CPU; an explicit scale is
+    # the adversarial-scores test (|scores| ~ 1e4), where the bound is ~10% of |v| (not_vacuous=False)
+    assert_attention_within_bound(out, q, view.k, view.v, scale, exact=ref, not_vacuous=scale is None)
     return e_ours, e_sdpa
 
 

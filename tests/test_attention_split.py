@@ -4,10 +4,10 @@ kernels/triton_attention_split.py: the partials + merge launches) against the re
 The kernels run in Triton's interpreter on CPU tensors (TRITON_INTERPRET=1 from helpers.py;
 `test_interpreter_in_subprocess` reruns this file in a fresh process when triton was imported compiled). Each kernel
 case takes a cache's own view plan (row index or run table: dense, packed and zero runs; a head slice) and runs the
-split path at several `S` (ranges cut mid-run included) on the same plan: the output must stay within 1.5x
-SDPA-on-view's error vs fp64 (the bound of tests/test_attention_triton.py), and with a zero query every partial's
-`l` must equal its range's key count exactly (scores 0: each key adds e^0 = 1), which pins the ranges' edges.
-Tiny shapes and 16-row key blocks: the interpreter costs milliseconds per program.
+split path at several `S` (ranges cut mid-run included) on the same plan: the output must stay within the proven fp32
+bound of fp64 attention (tests/float_bounds.py), and with a zero query every partial's `l` must equal its range's key
+count exactly (scores 0: each key adds e^0 = 1), which pins the ranges' edges. Tiny shapes and 16-row key blocks: the
+interpreter costs milliseconds per program.
 """
 
 from __future__ import annotations
@@ -15,6 +15,7 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.nn.functional as F
+from float_bounds import assert_attention_within_bound
 from helpers import newest_view_plan, page_io, rerun_interpreted, triton_kernels  # sets TRITON_INTERPRET
 
 from pagedqvg import BlockPool, PagedCausalKVCache, QuantConfig
@@ -26,7 +27,6 @@ from pagedqvg.kernels.ops import AttendArgs
 
 tas, TRITON_ERROR, DEVICE, WHY = triton_kernels("attention.triton_attention_split", "_attend_split_kernel")
 needs_kernels = pytest.mark.skipif(DEVICE is None, reason=WHY)
-RATIO = 1.5
 QUANTS = {
     "off": None,
     "int2": QuantConfig(bits=2, centroids=16, block_size=16),
@@ -174,7 +174,8 @@ def check_bound(out, view, q):
     e_sdpa = (sdpa(q, view.k, view.v).double() - ref).norm().item()
     e_ours = (out.double() - ref).norm().item()
     assert out.dtype == q.dtype and torch.isfinite(out).all()
-    assert e_ours <= RATIO * e_sdpa, (e_ours, e_sdpa)
+    assert_attention_within_bound(out, q, view.k, view.v, exact=ref)  # the proven bound (tests/float_bounds.py)
+    del e_sdpa, e_ours
 
 
 def check_partial_counts(a, splits, block_n):

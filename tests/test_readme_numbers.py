@@ -1,13 +1,15 @@
-"""README.md's exact figures against the code: each is recomputed (planner, page layout, PRQ byte format) and must
-appear on its line of the README, so a change that moves a figure fails here until the README is regenerated
-(`python benchmarks/regenerate.py` writes every figure to benchmarks/results/).
+"""The exact figures of README.md and docs/*.md (docs/NUMBERS.md, docs/PLANNING.md) against the code: each is recomputed
+(planner, page layout, PRQ byte format) and must appear on its line of those docs, so a change that moves a figure
+fails here until the README is regenerated (`python benchmarks/regenerate.py` writes every figure to
+benchmarks/results/).
 
-Recomputed here (about 20 s on 2 busy cores): packed chunk vs bf16 in bytes and in pool pages, whole-cache bytes
-and ratios of LingBot-World, the page-waste table and its summary, the byte columns of both PRQ tables, the 24 GiB
-windows, compact vs int2 steady state of simulate, and every line of the README's `$ pagedqvg plan ...` examples
-and of its `$ pagedqvg simulate --kv-cache-quant int2` example (as the accounting replay, `--dry-run`).
-Not recomputed (slow, see benchmarks/readme_figures.py): PRQ errors, bench_vs_baselines' resident and transient
-bytes, the SGLang memory table, the long-fuzz step count; timings are quoted with their date and command.
+Recomputed here (about 20 s on 2 busy cores): packed chunk vs bf16 in bytes and in pool pages, whole-cache bytes and
+ratios of LingBot-World, the page-waste table and its summary, the byte columns of both PRQ tables, the 24 GiB windows,
+compact vs int2 steady state of simulate, and every line of the README's `$ pagedqvg plan ...` examples and of its `$
+pagedqvg simulate --kv-cache-quant int2` example (as the accounting replay, `--dry-run`). Not recomputed (slow, see
+benchmarks/readme_figures.py): PRQ errors, bench_vs_baselines' resident and transient bytes, the SGLang memory table,
+the long-fuzz step count; timings are quoted with their command. Every sample block is compared in full, exactly, by
+tests/test_docs_samples.py.
 """
 
 from __future__ import annotations
