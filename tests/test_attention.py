@@ -29,8 +29,6 @@ QUANTS = {
     "int4-asym": QuantConfig(bits=4, centroids=16, block_size=16, asymmetric=True),
     "compact": QuantConfig.compact(centroids=16),
 }
-#: Allowed error ratio (update_and_attend's error / SDPA's, both vs fp64 attention over the materialized view).
-RATIO = 1.5
 
 
 @pytest.fixture(autouse=True)

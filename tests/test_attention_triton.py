@@ -24,7 +24,6 @@ from pagedqvg.kernels.attention.attention_runs import attend_runs_torch
 
 tat, TRITON_ERROR, DEVICE, WHY = triton_kernels("attention.triton_attention", "_attend_kernel")
 needs_kernels = pytest.mark.skipif(DEVICE is None, reason=WHY)
-RATIO = 1.5
 QUANTS = {
     "off": None,
     "int2": QuantConfig(bits=2, centroids=16, block_size=16),
