@@ -12,7 +12,9 @@ from pathlib import Path
 
 import pytest
 
-from pagedqvg.cli.app import PLAN_SCHEMA, _size, main
+from pagedqvg.cli.app import main
+from pagedqvg.cli.args import size_arg as _size
+from pagedqvg.cli.plan_doc import PLAN_SCHEMA
 from pagedqvg.planning.presets import PRESETS, quant_as_dict
 from pagedqvg.planning.simulate import SUMMARY_SCHEMA, TIMELINE_FIELDS
 from pagedqvg.quant.config import QuantConfig

@@ -15,15 +15,11 @@ and the cache's `memory_breakdown` count them. Tensor-free; O(segments).
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
-
 from pagedqvg.layout.segments import PackedSegmentLayout
+from pagedqvg.planning.geometry import Geometry
 from pagedqvg.quant import PackedFormat
 from pagedqvg.quant.fp8 import Fp8Format
 from pagedqvg.validation import DTYPES_BY_NAME
-
-if TYPE_CHECKING:
-    from pagedqvg.planning.planner import Geometry
 
 #: Segment roles, in the order `tier_used_bytes` reports them.
 ROLES: tuple[str, ...] = ("sink", "history", "recent", "current")
