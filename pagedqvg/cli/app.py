@@ -250,11 +250,14 @@ def _cmd_stagger(args: argparse.Namespace, w, *, measure: bool) -> int:
     """`plan` / `simulate` with `--stagger K`: staggered sessions (pagedqvg/planning/stagger.py); exit 1 when measured
     and
     planned pages differ at any call."""
-    from pagedqvg.planning.stagger import format_stagger, stagger_report
+    from pagedqvg.planning.stagger import format_stagger, stagger_budget, stagger_report
 
     geom = Geometry.from_workload(w)
     chunks = args.chunks if args.command == "simulate" else None
+    budget = resolve_budget(args, w) if args.command == "plan" else None
     doc = stagger_report(geom, args.stagger, args.session_chunks, chunks, measure=measure, device=args.device or "cpu")
+    if budget is not None:  # the staggered peak against --budget / --gpu / --memory-fraction
+        doc["budget"] = stagger_budget(doc, geom, budget)
     print(json.dumps(doc, indent=2) if args.json else format_stagger(doc))
     return 1 if doc.get("mismatches") else 0
 

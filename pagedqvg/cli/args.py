@@ -11,7 +11,6 @@ import dataclasses
 import re
 import sys
 
-from pagedqvg.allocator import format_bytes
 from pagedqvg.errors import PagedQVGError
 from pagedqvg.planning.planner import compact_quant
 from pagedqvg.planning.presets import Workload, get_preset
@@ -38,23 +37,22 @@ def fail(message: str) -> None:
 
 
 # ---------------------------------------------------------------------------------------------------- arg types
-def size_arg(flag: str, *, minimum: int = 1, maximum: int | None = None, example: str = "24GiB", auto: bool = False):
+def size_arg(flag: str, *, minimum: int = 1, example: str = "24GiB", auto: bool = False):
     """argparse type for `flag`: a size (`pagedqvg.sizes.parse_size`, the plugin's and the Python API's forms) of
-    `minimum`..`maximum` bytes (one rule for `0`, `-5GiB` and `=-5GiB`), or `auto`."""
+    at least `minimum` bytes (one rule for `0`, `-5GiB` and `=-5GiB`), or `auto`."""
 
     def parse(text: str) -> int | str:
         if auto and text.strip().lower() == "auto":
             return "auto"
+        negative = text.strip().startswith("-")  # refused by the range rule below, whatever follows the sign
         try:
-            value = parse_size(text, name=flag)
+            value = -1 if negative else parse_size(text, name=flag)
         except SizeError as exc:  # names the text, what it is and the valid forms (as the plugin says it)
             raise argparse.ArgumentTypeError(str(exc)) from None
-        if value < minimum or (maximum is not None and value > maximum):
+        if value < minimum:
             rule = "> 0 bytes" if minimum == 1 else f">= {minimum} bytes"
-            if maximum is not None:
-                rule = f"of {format_bytes(minimum)} to {format_bytes(maximum)}"
             raise argparse.ArgumentTypeError(
-                f"must be a size {rule}, got {text.strip()!r} ({value:,} bytes); write it like {flag} {example}"
+                f"must be a size {rule}, got {text.strip()!r}; write it like {flag} {example}"
                 + (" or auto" if auto else "")
             )
         return value
@@ -239,9 +237,12 @@ def check_device(text: str) -> str:
 def check_combinations(args: argparse.Namespace, typed: set[str]) -> None:
     """UsageError naming the flags when a combination means nothing (or contradicts itself)."""
     quant_knobs = sorted(f for f, _h, _e in QUANT_FLAGS if f != "--kv-cache-quant" and f in typed)
-    if getattr(args, "kv_cache_quant", None) == "off" and quant_knobs:
+    mode = getattr(args, "kv_cache_quant", None)
+    if quant_knobs and (mode == "off" or (mode is None and not get_preset(args.preset).quant.enabled)):
+        # the same refusal whether off is typed or the preset's default
+        off = "--kv-cache-quant off" if mode == "off" else f"quantization off (--preset {args.preset}'s default)"
         raise UsageError(
-            f"{', '.join(quant_knobs)} has no effect with --kv-cache-quant off; drop it, or choose "
+            f"{', '.join(quant_knobs)} has no effect with {off}; drop it, or choose "
             "--kv-cache-quant int2, int4 or compact"
         )
     if getattr(args, "kv_cache_quant", None) == "compact":

@@ -21,7 +21,8 @@ from pagedqvg.planning.planner import (
     setting_geometries,
 )
 from pagedqvg.planning.presets import Workload, quant_as_dict
-from pagedqvg.planning.tiers import dense_label, tier_summary, tier_used_bytes
+from pagedqvg.planning.tier_totals import tier_summary, tier_used_bytes
+from pagedqvg.planning.tiers import dense_label
 
 PLAN_SCHEMA = "pagedqvg.plan/2"
 

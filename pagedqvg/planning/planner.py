@@ -75,8 +75,23 @@ ATTENTION_MODES: tuple[str, ...] = ("view", "pages")
 MAX_SEARCH_FRAMES = 1 << 20
 #: `plan_geometry` replays caches of up to this many chunks by default (beyond, the closed form: O(1)).
 REPLAY_MAX_CHUNKS = 4096
-#: With scene-cut pins the search replays the pattern; it stops at windows of this many chunks.
+#: With scene-cut pins or tier formats the search replays the pattern; it stops at windows of this many chunks.
 MAX_PINNED_SEARCH_CHUNKS = 1024
+
+
+def check_replayable(geom: Geometry, why: str) -> None:
+    """ValueError naming the window and the largest one allowed when `geom`'s cache holds more than
+    `REPLAY_MAX_CHUNKS` chunks: a replay (`why`: what needs it) runs chunk by chunk, O(window), so a window of
+    10^9 frames would take hours; the bound keeps every plan to seconds. O(1)."""
+    n, tpf = geom.chunk_tokens, geom.tokens_per_frame
+    if geom.cache_size <= REPLAY_MAX_CHUNKS * n:
+        return
+    frames = max(0, (REPLAY_MAX_CHUNKS * n - geom.effective_sink) // tpf)
+    raise ValueError(
+        f"a cache of {geom.cache_size:,} tokens ({geom.window_tokens / tpf:g}-frame window) with {why} is planned by "
+        f"replaying it chunk by chunk, up to caches of {REPLAY_MAX_CHUNKS} chunks ({REPLAY_MAX_CHUNKS * n:,} tokens); "
+        f"use --window-frames <= {frames}"
+    )
 
 
 def closed_form_segments(geom: Geometry) -> tuple[int, int]:
@@ -251,6 +266,8 @@ def plan_geometry(geom: Geometry, *, replay: bool | None = None) -> SettingPlan:
     if replay is None:
         replay = bool(geom.scene_cut_every) or geom.cache_size <= REPLAY_MAX_CHUNKS * geom.chunk_tokens
     if replay or geom.scene_cut_every or geom.quant.tiered:  # tiers: the replay (the closed form is untiered)
+        if geom.scene_cut_every or geom.quant.tiered:
+            check_replayable(geom, "--scene-cut-every" if geom.scene_cut_every else "tier formats (recent/sink)")
         census = replay_layer(geom)
         return SettingPlan(
             **common,
@@ -357,9 +374,9 @@ def budget_needed(geom: Geometry, window_frames: int) -> int:
 
 
 def search_limit_frames(geom: Geometry) -> int:
-    """Largest window (frames) `max_window_frames` tries: 2^20 frames, or 1,024 chunks with scene-cut pins (each
-    try then replays ~2x the window chunk by chunk)."""
-    if geom.scene_cut_every:
+    """Largest window (frames) `max_window_frames` tries: 2^20 frames, or 1,024 chunks with scene-cut pins or tier
+    formats (each try then replays ~2x the window chunk by chunk)."""
+    if geom.scene_cut_every or geom.quant.tiered:
         return MAX_PINNED_SEARCH_CHUNKS * max(1, geom.chunk_tokens // geom.tokens_per_frame)
     return MAX_SEARCH_FRAMES
 
