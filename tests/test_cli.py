@@ -727,3 +727,11 @@ def test_budget_settings_are_typed_and_shared(capsys) -> None:
     with pytest.raises(BudgetError, match="leaves nothing for the KV cache"):
         Budget(gpu="L4", weights=40 << 30).resolve(w)
     assert issubclass(BudgetError, ValueError) and issubclass(BudgetError, PagedQVGError)
+
+
+def test_simulate_refuses_a_billion_frame_window(capsys, tmp_path: Path) -> None:
+    for extra in (["--dry-run"], []):
+        code, out, err = run(capsys, "simulate", "--window-frames", "1000000000", "--chunks", "5", "--no-plot",
+                             "--no-progress", "--out", str(tmp_path), *extra)
+        assert code == 2 and out == "" and len(err.splitlines()) == 1
+        assert ("use --window-frames <= " in err) if extra else ("use --dry-run" in err)

@@ -266,8 +266,10 @@ def plan_geometry(geom: Geometry, *, replay: bool | None = None) -> SettingPlan:
     if replay is None:
         replay = bool(geom.scene_cut_every) or geom.cache_size <= REPLAY_MAX_CHUNKS * geom.chunk_tokens
     if replay or geom.scene_cut_every or geom.quant.tiered:  # tiers: the replay (the closed form is untiered)
+        why = "a replayed plan (warm-up and high-water, as simulate compares them)"
         if geom.scene_cut_every or geom.quant.tiered:
-            check_replayable(geom, "--scene-cut-every" if geom.scene_cut_every else "tier formats (recent/sink)")
+            why = "--scene-cut-every" if geom.scene_cut_every else "tier formats (recent/sink)"
+        check_replayable(geom, why)  # O(1); the default replays only caches within the bound
         census = replay_layer(geom)
         return SettingPlan(
             **common,
