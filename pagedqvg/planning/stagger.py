@@ -24,7 +24,15 @@ from dataclasses import dataclass
 
 import torch
 
-from pagedqvg.planning.planner import CountingLayer, Geometry, PageCounter, is_scene_cut
+from pagedqvg.planning.budget import ResolvedBudget
+from pagedqvg.planning.planner import (
+    CountingLayer,
+    Geometry,
+    PageCounter,
+    check_replayable,
+    is_scene_cut,
+    plan_geometry,
+)
 
 __all__ = ["StaggerCall", "account_staggered", "measure_staggered", "session_geometry", "stagger_summary"]
 
@@ -190,6 +198,7 @@ def stagger_report(
 ) -> dict[str, object]:
     """`stagger_summary`, plus with `measure` the real caches' pages call by call against the accounting
     (`mismatches`: calls where they differ; `measured_peak_pages`: the real pool's high-water)."""
+    check_replayable(session_geometry(geom), "--stagger (every call is accounted)")
     lengths = lengths if lengths is not None else default_lengths(geom, stagger, chunks)
     if len(lengths) == 1 and geom.sessions > 1:
         lengths = lengths * geom.sessions
@@ -201,6 +210,29 @@ def stagger_report(
         doc["mismatches"] = sum(1 for a, b in zip(planned, measured, strict=True) if a != b)
         doc["measured_peak_pages"] = high_water
     return doc
+
+
+def stagger_budget(doc: dict[str, object], geom: Geometry, budget: ResolvedBudget) -> dict[str, object]:
+    """Whether the staggered peak fits `budget`: the pool's peak pages plus one transient view (or attention scratch,
+    one layer at a time, as `plan` counts it) against the budget's bytes. JSON-ready; O(plan)."""
+    transient = plan_geometry(geom).view_bytes
+    needed = int(doc["peak_bytes"]) + transient
+    return {**budget.as_dict(), "transient_bytes": transient, "needed_bytes": needed, "fits": needed <= budget.bytes}
+
+
+def _budget_line(b: dict[str, object]) -> str:
+    """The budget verdict of `stagger_budget`: peak + transient vs the budget, and what to do when it does not fit."""
+    from pagedqvg.allocator import format_bytes
+
+    needed, have = int(b["needed_bytes"]), int(b["bytes"])
+    verdict = "fits" if b["fits"] else (
+        f"does NOT fit (over by {format_bytes(needed - have)}): lower --sessions, raise --stagger, shorten "
+        "--session-chunks or quantize (--kv-cache-quant)"
+    )
+    return (
+        f"  budget  {format_bytes(have)} ({b['source']}): peak {format_bytes(needed - int(b['transient_bytes']))} + "
+        f"one transient view {format_bytes(int(b['transient_bytes']))} = {format_bytes(needed)}: {verdict}"
+    )
 
 
 def format_stagger(doc: dict[str, object]) -> str:
@@ -216,6 +248,8 @@ def format_stagger(doc: dict[str, object]) -> str:
         f"  steady  {doc['steady_pages']} pages at the end of chunk {doc['steady_tick']} "
         f"({doc['most_live_sessions']} session(s) live)",
     ]
+    if isinstance(doc.get("budget"), dict):
+        lines.append(_budget_line(doc["budget"]))  # type: ignore[arg-type]
     if "mismatches" in doc:
         lines.append(
             f"  measured (real caches): peak {doc['measured_peak_pages']} pages; plan == measured at every call: "
