@@ -50,8 +50,10 @@ def imports_of(name: str, path: Path, known: set[str]) -> set[str]:
                 mod = ".".join(base + ([node.module] if node.module else []))
             else:
                 mod = node.module or ""
-            found.add(mod)
-            found.update(f"{mod}.{a.name}" for a in node.names if f"{mod}.{a.name}" in known)
+            subs = {f"{mod}.{a.name}" for a in node.names if f"{mod}.{a.name}" in known}
+            found.update(subs)
+            if len(subs) < len(node.names):  # names defined in `mod` itself (`from pkg import sub` names only sub)
+                found.add(mod)
     return {m for m in found if m in known and m != name}
 
 
@@ -98,7 +100,9 @@ def test_the_checker_finds_a_cycle_and_relative_imports(tmp_path):
     src.mkdir(parents=True)
     (src / "m.py").write_text("def f():\n    from ..y import z\n    from . import n\n")
     known = {"pagedqvg.y", "pagedqvg.y.z", "pagedqvg.x", "pagedqvg.x.n"}
-    assert imports_of("pagedqvg.x.m", src / "m.py", known) == known
+    assert imports_of("pagedqvg.x.m", src / "m.py", known) == {"pagedqvg.y.z", "pagedqvg.x.n"}
+    (src / "m.py").write_text("from ..y import z, CONSTANT\n")
+    assert imports_of("pagedqvg.x.m", src / "m.py", known) == {"pagedqvg.y", "pagedqvg.y.z"}
 
 
 def test_no_import_cycle_counting_every_import_statement():

@@ -178,10 +178,10 @@ def test_tier_quant_is_the_registry_record() -> None:
 
 
 def test_cli_and_plugin_choices_equal_the_registry() -> None:
-    from pagedqvg.cli.app import _QUANT_FLAGS
+    from pagedqvg.cli.args import QUANT_FLAGS
     from pagedqvg.integrations.sglang.plugin import _TIER_FORMS, ENV_QUANT_RECENT, ENV_QUANT_SINK
 
-    choices = {flag: kw.get("choices") for flag, _help, kw in _QUANT_FLAGS}
+    choices = {flag: kw.get("choices") for flag, _help, kw in QUANT_FLAGS}
     assert tuple(choices["--kv-cache-quant"]) == QUANT_MODE_NAMES
     assert tuple(choices["--kv-cache-quant-recent"]) == TIER_FORMAT_NAMES
     for variable in (ENV_QUANT_SINK, ENV_QUANT_RECENT):

@@ -15,6 +15,7 @@ from pagedqvg.errors import PagedQVGError
 from pagedqvg.planning.planner import compact_quant
 from pagedqvg.planning.presets import Workload, get_preset
 from pagedqvg.quant.config import SGLANG_KEYS, QuantConfig
+from pagedqvg.quant.formats import QUANT_MODE_NAMES, TIER_FORMAT_NAMES
 from pagedqvg.sizes import SizeError, parse_size
 from pagedqvg.validation import check_int
 
@@ -102,7 +103,7 @@ QUANT_FLAGS: tuple[tuple[str, str, dict], ...] = (
         "quantization of completed chunks: off, int4 or int2 (SGLang's), or compact: trit-packed symmetric int2, "
         "one fitted fp8 scale per 128 channels (per token-head when --head-dim is below 128), fp8 codebooks "
         "(QuantConfig.compact(); the preset's keep-recent/sink/sink-keep/seed apply, flags override) (default off)",
-        {"choices": ("off", "int4", "int2", "compact")},
+        {"choices": QUANT_MODE_NAMES},
     ),
     ("--kv-cache-quant-centroids", "k-means centroids per (head, stage), 1..256 (default 128)", {}),
     ("--kv-cache-quant-block-size", "channels per fp8 scale; divides head_dim (default 64)", {}),
@@ -121,7 +122,7 @@ QUANT_FLAGS: tuple[tuple[str, str, dict], ...] = (
         "--kv-cache-quant-recent",
         "format of the --kv-cache-quant-keep-recent chunks: bf16 (dense, default), fp8, int4, int2 or compact, no "
         "coarser than --kv-cache-quant (the history's); a chunk leaving the recent tier is repacked",
-        {"choices": ("bf16", "fp8", "int4", "int2", "compact")},
+        {"choices": TIER_FORMAT_NAMES},
     ),
     ("--kv-cache-quant-seed", "k-means seed (default 1234)", {}),
     (

@@ -55,6 +55,7 @@ from pagedqvg.allocator import DEFAULT_PAGE_BYTES
 from pagedqvg.errors import CacheConfigError, IntegrationError
 from pagedqvg.integrations.sglang.versions import CURRENT, patched_targets, targets_for
 from pagedqvg.quant import QuantConfig
+from pagedqvg.quant.formats import TIER_FORMAT_NAMES
 from pagedqvg.sizes import SIZE_FORMS, SizeError
 from pagedqvg.sizes import parse_size as _parse_size
 
@@ -184,10 +185,11 @@ def parse_quant(env: Mapping[str, str]) -> QuantConfig | None:
 
 
 #: The tier variables and their valid forms (PAGEDQVG_KV_CACHE_QUANT_SINK is also SGLang's --kv-cache-quant-sink).
+_PACKED_FORMS = ", ".join(TIER_FORMAT_NAMES[1:])  # the registry's formats after bf16 (quant/formats.py)
 _TIER_FORMS = {
-    ENV_QUANT_SINK: "a tier format bf16 (dense), fp8, int4, int2, compact, or a boolean: true (the history's format) "
-    "/ false (dense)",
-    ENV_QUANT_RECENT: "a tier format bf16 (dense, the default), fp8, int4, int2, compact, no coarser than "
+    ENV_QUANT_SINK: f"a tier format {TIER_FORMAT_NAMES[0]} (dense), {_PACKED_FORMS}, or a boolean: true (the "
+    "history's format) / false (dense)",
+    ENV_QUANT_RECENT: f"a tier format {TIER_FORMAT_NAMES[0]} (dense, the default), {_PACKED_FORMS}, no coarser than "
     f"{ENV_QUANT}'s (bf16 > fp8 > int4 > int2 = compact)",
 }
 
