@@ -1,4 +1,4 @@
-"""`pagedqvg plan --attention pages|view`: with attention from pages the budget holds update_and_attend's scratch
+"""`pagedqvg plan --attention view|pages|heads`: with attention from pages the budget holds update_and_attend's scratch
 (window-independent) instead of a transient view; both modes side by side in every budget line and in JSON.
 LingBot-World in 24 GiB: compact reaches >= 110 frames with pages (96 with the view)."""
 
@@ -61,3 +61,36 @@ def test_decode_step_matches_the_dequant_reference() -> None:
     from pagedqvg.layout.attention_scratch import DECODE_STEP_ELEMS
 
     assert DECODE_STEP_ELEMS == DEQUANT_TILE_ELEMS
+
+
+# ------------------------------------------------------------------------------------------ attention mode heads
+def test_heads_mode_fits_the_issue_target_at_lingbot_world_in_24_gib():
+    """LingBot-World, 24 GiB, the recommended tiers (sink int4 / recent int4 / history compact): mode heads in the
+    cost model's wave-efficient groups (7 heads: 93.4% of 132 SMs) fits 123 frames (target >= 122; view 105, pages
+    126), its transient exactly `heads_transient_bytes` at that window."""
+    from pagedqvg.cli.plan_doc import build_plan
+    from pagedqvg.layout.head_groups import heads_transient_bytes, wave_efficiency
+    from pagedqvg.planning.presets import get_preset
+    from pagedqvg.quant import QuantConfig
+
+    w = get_preset("lingbot-world").replace(quant=QuantConfig.compact(sink_format="int4", recent_format="int4"))
+    doc = build_plan(w, 24 << 30, "--budget", attention="heads")
+    fit = {r["mode"]: r for r in doc["budget"]["fits"]}["compact"]
+    by = fit["by_attention"]
+    assert {m: v["max_window_frames"] for m, v in by.items()} == {"view": 105, "pages": 126, "heads": 123}
+    assert fit["max_window_frames"] == 123 and by["heads"]["heads_per_group"] == 7
+    assert wave_efficiency(1, 4680, 40, 7) >= 0.9 > wave_efficiency(1, 4680, 40, 6)
+    geom = Geometry.from_workload(w).with_window_frames(123)  # the whole window is one call's view
+    expected = heads_transient_bytes(1, 4680, 40, 128, torch.bfloat16, geom.cache_size, 7)
+    assert by["heads"]["transient_bytes"] == expected < by["view"]["transient_bytes"]
+
+
+def test_heads_mode_takes_a_fixed_group_and_refuses_a_bad_one(capsys):
+    assert main(["plan", "--preset", "lingbot-world", "--budget", "24GiB", "--attention", "heads", "--head-group",
+                 "10", "--json"]) == 0  # fmt: skip
+    fits = json.loads(capsys.readouterr().out)["budget"]["fits"]
+    assert {r["by_attention"]["heads"]["heads_per_group"] for r in fits} == {10}
+    assert main(["plan", "--preset", "lingbot-world", "--budget", "24GiB", "--head-group", "99"]) == 0  # clamped
+    assert "heads of 40 " in capsys.readouterr().out
+    assert main(["plan", "--head-group", "0"]) == 2
+    assert "--head-group: 0 is out of range; must be an integer >= 1" in capsys.readouterr().err

@@ -112,7 +112,16 @@ def _add_attention_arg(plan: argparse.ArgumentParser) -> None:
         choices=ATTENTION_MODES,
         default="view",
         help="view: each call builds a transient K/V view (update_and_get_attention_kv); pages: update_and_attend "
-        "(attention from pages: a window-independent scratch instead). Budget lines show both (default view)",
+        "(attention from pages: a window-independent scratch instead); heads: update_and_attend_heads (the view of "
+        "one group of heads at a time, the user's attention per group). Budget lines show all three (default view)",
+    )
+    plan.add_argument(
+        "--head-group",
+        type=int_arg(1),
+        default=None,
+        metavar="HEADS",
+        help="mode heads: heads per group (default: the smallest group of >= 90%% wave efficiency on an H200's 132 "
+        "SMs for the chunk's queries; clamped to the heads per rank)",
     )
 
 
@@ -192,7 +201,7 @@ def cmd_plan(args: argparse.Namespace) -> int:
     if args.stagger is not None:
         return _cmd_stagger(args, w, measure=False)
     budget = resolve_budget(args, w)
-    doc = build_plan(w, budget, attention=args.attention)
+    doc = build_plan(w, budget, attention=args.attention, head_group=args.head_group)
     print(json.dumps(doc, indent=2) if args.json else format_plan(doc))
     return 0
 

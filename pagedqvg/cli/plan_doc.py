@@ -35,13 +35,17 @@ def _attention_fits(geom: Geometry, budget: int, lo: int) -> dict[str, dict[str,
         frames = max_window_frames(g, budget, lo)
         p = plan_geometry(g.with_window_frames(frames if frames is not None else lo), replay=False)
         out[mode] = {"max_window_frames": frames, "budget_bytes": p.budget_bytes, "transient_bytes": p.view_bytes}
+        if mode == "heads":
+            out[mode]["heads_per_group"] = g.heads_per_group()
     return out
 
 
-def _budget_fits(w: Workload, budget: int, source: str, attention: str = "view") -> list[dict[str, object]]:
+def _budget_fits(
+    w: Workload, budget: int, source: str, attention: str = "view", head_group: int | None = None
+) -> list[dict[str, object]]:
     rows = []
     for geom in setting_geometries(w)[0]:
-        geom = dataclasses.replace(geom, attention=attention)
+        geom = dataclasses.replace(geom, attention=attention, head_group=head_group)
         lo = min_window_frames(geom, w.chunk_frames)
         frames = max_window_frames(geom, budget, lo)
         row: dict[str, object] = {
@@ -111,17 +115,19 @@ def build_plan(
     budget: Budget | ResolvedBudget | int | None = None,
     budget_source: str = "",
     attention: str = "view",
+    head_group: int | None = None,
 ) -> dict[str, object]:
     """The plan as a JSON-ready dict (schema `PLAN_SCHEMA`). `budget`: a `Budget` (resolved for `w`), a
     `ResolvedBudget`, or bytes (labelled `budget_source`). `attention`: "view" (a transient view per call) or
-    "pages" (update_and_attend's scratch instead)."""
+    "pages" (update_and_attend's scratch instead) or "heads" (update_and_attend_heads: one group of heads' view at
+    a time; `head_group` heads per group, None: the cost model's)."""
     if isinstance(budget, Budget):
         budget = budget.resolve(w)
     elif isinstance(budget, int):
         budget = ResolvedBudget(budget, budget_source)
     geom = Geometry.from_workload(w)
     geoms, skipped = setting_geometries(w)
-    geoms = [dataclasses.replace(g, attention=attention) for g in geoms]
+    geoms = [dataclasses.replace(g, attention=attention, head_group=head_group) for g in geoms]
     settings = [plan_geometry(g) for g in geoms]
     dense = geom.dense
     doc: dict[str, object] = {
@@ -160,5 +166,6 @@ def build_plan(
         d["tiers"] = _tier_doc(g)
         doc["settings"].append(d)  # type: ignore[union-attr]
     if budget is not None:
-        doc["budget"] = {**budget.as_dict(), "fits": _budget_fits(w, budget.bytes, budget.source, attention)}
+        fits = _budget_fits(w, budget.bytes, budget.source, attention, head_group)
+        doc["budget"] = {**budget.as_dict(), "fits": fits}
     return doc

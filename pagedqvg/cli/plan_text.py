@@ -169,13 +169,17 @@ def _budget_fit_line(r: dict, g: dict, tpf: int, dt: str) -> str:
 
 
 def _attention_modes_text(r: dict) -> str:
-    """Both attention modes side by side (frames that fit, transient bytes per call), or "" without them."""
+    """The attention modes side by side (frames that fit, transient bytes per call), or "" without them."""
     by = r.get("by_attention")
     if not by:
         return ""
-    return " | attention " + ", ".join(
-        f"{a} {v['max_window_frames']} frames ({format_bytes(v['transient_bytes'])} transient)" for a, v in by.items()
-    )
+    return " | attention " + ", ".join(_attention_mode_text(a, v) for a, v in by.items())
+
+
+def _attention_mode_text(mode: str, v: dict) -> str:
+    """`view 105 frames (3.21 GiB transient)`; mode heads names its group: `heads of 7 123 frames (...)`."""
+    name = f"{mode} of {v['heads_per_group']}" if "heads_per_group" in v else mode
+    return f"{name} {v['max_window_frames']} frames ({format_bytes(v['transient_bytes'])} transient)"
 
 
 def _plan_budget_lines(budget: dict, g: dict, tpf: int, dt: str) -> list[str]:

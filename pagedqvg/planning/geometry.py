@@ -17,6 +17,7 @@ from pagedqvg.layout.attention_scratch import (
     packed_decode_bytes,
     triton_attend_bytes,
 )
+from pagedqvg.layout.head_groups import choose_head_group, heads_transient_bytes
 from pagedqvg.layout.segments import (
     DenseTokenLayout,
     PackedSegmentLayout,
@@ -62,7 +63,9 @@ class Geometry:
     sessions: int = 1
     ranks: int = 1  # ulysses * tp: this geometry is one rank's caches
     page_choice: PageChoice | None = None  # set when the page size was chosen automatically
-    attention: str = "view"  # "view" (a transient K/V view per call) or "pages" (update_and_attend: tile scratch)
+    attention: str = "view"  # "view" (a transient K/V view per call), "pages" (update_and_attend: tile scratch) or
+    # "heads" (update_and_attend_heads: one group of heads' view at a time)
+    head_group: int | None = None  # mode heads: heads per group (None: layout.head_groups.choose_head_group's)
 
     @classmethod
     def from_workload(cls, w: Workload, quant: QuantConfig | None = None) -> Geometry:
@@ -192,15 +195,28 @@ class Geometry:
         """Bytes one layer's call needs outside the pool: its K/V view of `view_tokens` tokens (`attention="view"`),
         or `update_and_attend`'s scratch (`"pages"`, attention.py: `attention_scratch_bytes` for the chunk's query
         rows plus `packed_decode_bytes` when packed, independent of the window; or, when larger, the Triton path's
-        output and split-KV partials, `triton_attend_bytes`, bounded whatever the window)."""
+        output and split-KV partials, `triton_attend_bytes`, bounded whatever the window); or mode `"heads"`'s group
+        view buffer, result and one group's output (`layout.head_groups.heads_transient_bytes`)."""
         if self.attention == "view":
             return self.view_bytes(view_tokens)
+        if self.attention == "heads":
+            args = (self.batch_size, self.chunk_tokens, self.heads, self.head_dim, self.dtype, view_tokens)
+            return heads_transient_bytes(*args, self.heads_per_group())
         args = (self.batch_size, self.chunk_tokens, self.heads, self.head_dim, self.dtype)
         scratch = attention_scratch_bytes(*args)
         fmt = self.packed_format()
         if fmt is not None:
             scratch += packed_decode_bytes(self.batch_size, self.heads, self.head_dim, ATTN_TILE_TOKENS, fmt)
         return max(scratch, triton_attend_bytes(*args, view_tokens, packed=fmt is not None))
+
+    def heads_per_group(self) -> int:
+        """Mode heads' group size: `head_group` (clamped to the heads per rank), else the cost model's wave-efficient
+        choice for the chunk's queries on an H200 (`choose_head_group`, no memory limit: independent of the window).
+        """
+        if self.head_group is not None:
+            return min(self.head_group, self.heads)
+        args = (self.batch_size, self.chunk_tokens, self.heads, self.head_dim, self.dtype, self.chunk_tokens)
+        return choose_head_group(*args).group
 
     def cache_kwargs(self) -> dict[str, object]:
         """Keyword arguments of `PagedCausalKVCache` for this geometry (pool, device, quant and name excluded)."""

@@ -70,7 +70,7 @@ POLICY_FIELDS: tuple[str, ...] = ("keep_recent_chunks", "sink", "sink_keep_chunk
 #: Channels per fitted scale of `QuantConfig.compact()` (its `block_size`).
 COMPACT_BLOCK = QuantConfig.compact().block_size
 #: Attention modes the planner budgets: a transient view per call, or update_and_attend's scratch (attention.py).
-ATTENTION_MODES: tuple[str, ...] = ("view", "pages")
+ATTENTION_MODES: tuple[str, ...] = ("view", "pages", "heads")
 #: Largest window (frames) the budget search tries.
 MAX_SEARCH_FRAMES = 1 << 20
 #: `plan_geometry` replays caches of up to this many chunks by default (beyond, the closed form: O(1)).
