@@ -17,7 +17,7 @@ from dataclasses import dataclass
 
 import torch
 
-from pagedqvg.allocator import sharing
+import pagedqvg.allocator.sharing as sharing
 from pagedqvg.errors import PageOwnershipError, PoolExhaustedError, PoolInvariantError
 from pagedqvg.validation import PAGE_ALIGN_BYTES, check_int, is_int, nearest_page_bytes
 
