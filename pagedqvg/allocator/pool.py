@@ -406,6 +406,14 @@ class BlockPool:
         return self._owner_shared.get(owner, 0)
 
     @_locked
+    def freeable(self, pages: list[int] | tuple[int, ...]) -> int:
+        """How many of (held) `pages` go back to the free list when their holder frees them: those no one else
+        holds. O(len(pages)); O(1) while no page is shared."""
+        if not self._shared:
+            return len(pages)
+        return sum(1 for p in pages if p not in self._shared)
+
+    @_locked
     def release_owner(self, owner: str) -> int:
         """Give back every page `owner` holds (e.g. a cache collected without `close()`). O(num_pages).
         Returns the number of pages freed."""

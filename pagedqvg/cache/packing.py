@@ -89,8 +89,8 @@ class ChunkPacker:
         message starts with `name`) when nothing does. Changes nothing. O(segments) plus the packs' quantization."""
         pool, layout = self.pool, self.layout
         need = layout.pages_for_tokens(plan.new_tokens) if plan.new_tokens else 0
-        need += sum(layout.pages_for_tokens(x.end - x.start) - len(x.value.pages) for x in unpack)
-        freed = sum(len(x.value.pages) for x in plan.released)
+        need += sum(layout.pages_for_tokens(x.end - x.start) - pool.freeable(x.value.pages) for x in unpack)
+        freed = sum(pool.freeable(x.value.pages) for x in plan.released)  # pages a fork shares stay held
         deficit = need - (pool.num_free_pages + freed)
         if deficit <= 0:
             return []
@@ -136,7 +136,7 @@ class ChunkPacker:
     def net_pages(self, entry: RangeEntry[Segment], fmt: str | None = None) -> int:
         """Pages a segment gives back when packed in format `fmt` (default: the history's; negative: packing needs
         more)."""
-        return len(entry.value.pages) - self.target(fmt).pages_for_tokens(entry.end - entry.start)
+        return self.pool.freeable(entry.value.pages) - self.target(fmt).pages_for_tokens(entry.end - entry.start)
 
     def target(self, fmt: str | None) -> TierStore:
         """The store of format `fmt` (None: the history's)."""
@@ -162,7 +162,8 @@ class ChunkPacker:
         """The packed chunks a rewrite touches, each with its dequantized rows (temporaries; nothing changes), in the
         order `unpack` must run: those that give pages back (packed form bigger than dense, e.g. tiny chunks) first,
         so the pages counted free are free when each later unpack takes its own."""
-        order = sorted(unpack, key=lambda x: self.layout.pages_for_tokens(x.end - x.start) - len(x.value.pages))
+        pool, layout = self.pool, self.layout
+        order = sorted(unpack, key=lambda x: layout.pages_for_tokens(x.end - x.start) - pool.freeable(x.value.pages))
         return [(x, self.io.dequantize_segment(x)) for x in order]
 
     def unpack(self, entry: RangeEntry[Segment], dense: torch.Tensor) -> None:

@@ -29,6 +29,7 @@ from pagedqvg.cache.args import (
     layer_stores,
     recent_window,
 )
+from pagedqvg.cache.fork import fork_cache, unshare_rows
 from pagedqvg.cache.packing import ChunkPacker
 from pagedqvg.cache.readout import CacheReadout
 from pagedqvg.cache.sequencing import CacheSpec, CallPlan, Sequencer
@@ -396,7 +397,7 @@ class PagedCausalKVCache(CacheReadout):
         r = recent_window(name, recent_window_tokens)
         fast_key = ("call", s, n, h0, hin, r)
         fast = self._io.cached(fast_key)
-        if isinstance(fast, RepeatedCall):  # the same in-place rewrite as before (a later denoise step)
+        if isinstance(fast, RepeatedCall) and not unshare_rows(self, s, s + n):  # the same in-place rewrite again
             self._io.write(fast.write_plan, h0, key, value)
             self._last_view_ranges = fast.ranges
             return fast.view_plan, h0, hin, fast.local_start, fast.local_end
@@ -410,6 +411,7 @@ class PagedCausalKVCache(CacheReadout):
             self._begin_transaction()
             self._commit(plan, unpack, hin)
             self._rewritten(touched, s, plan.end, hin)
+        unshare_rows(self, s, plan.end)  # copy-on-write of pages a fork shares (cache/fork.py)
         write_plan = self._io.write_plan(self._seq.index, s, plan.end, h0, hin)
         self._io.write(write_plan, h0, key, value)
         if not structural:  # a failed in-place write leaves the flags (the targeted rows may be old or new)
@@ -554,6 +556,14 @@ class PagedCausalKVCache(CacheReadout):
         self._structure_changed()
         self._packer.report_used()
         self._on_cursors_changed(self._seq.state.global_end, self._seq.state.local_end)
+
+    def fork(self, name: str | None = None) -> PagedCausalKVCache:
+        """A new cache (same class and settings) that shares every page of this one, dense and packed: O(pages)
+        metadata, 0 bytes copied, at any point. Each branch then behaves as if it alone had received the calls so
+        far; a write into a page the other branch still holds copies that page first (page granularity; a full pool
+        raises PoolExhaustedError and leaves both as they were). `name`: the branch's label (default: this one's +
+        "/fork"). Closing branches in any order frees exactly the pages nobody else holds. See cache/fork.py."""
+        return fork_cache(self, name)
 
     @_holding_pool_lock
     def close(self) -> None:

@@ -1,0 +1,141 @@
+"""Copy-on-write forks of a layer cache: a branch shares every page of its parent and copies a page when it writes.
+
+`fork_cache(cache)` makes a new cache (same class, same configuration) whose segments, dense and packed (bf16
+chunks, packed and aged tiers, the pinned sink), are its parent's pages, held by both (`BlockPool.share`): the cost
+is O(segments + pages) metadata and 0 bytes copied, at any point (mid-chunk, after rewrites, with a pin, after
+packing). Each branch has its own segment table, slot map, cursors and plans; the pages are the only shared thing.
+
+Copy-on-write, at page granularity: the only writes into existing pages are rewrites of dense rows (a denoise step,
+a head-sliced write, the rewrite part of an advance); before one, `unshare_rows` copies each page of the written
+tokens that another branch still holds into a fresh page (one page copy each, all pages taken at once) and drops
+this branch's hold on the old one. Every other change of a shared segment makes new pages anyway (an advance writes
+its new tokens into a new segment; packing, aging and unpacking write the new form into new pages) or only lets go
+(a rewind trims pages, a reset or close frees them), and a page goes back to the free list when its last holder
+frees it. A copy that meets a full pool raises PoolExhaustedError before anything changed (inside a call that
+already changed something, the call's transaction rolls back), so both branches and the pool stay as they were.
+
+Packing a shared chunk: each branch packs its own copy (its policy reaches the chunk at its own time; the packed
+bytes are deterministic, so the branches' packed segments are equal but not shared).
+"""
+
+from __future__ import annotations
+
+import copy
+import weakref
+
+import torch
+
+from pagedqvg.allocator import BlockPool
+from pagedqvg.allocator.pool import exhausted_error
+from pagedqvg.cache.packing import ChunkPacker
+from pagedqvg.cache.sequencing import Sequencer
+from pagedqvg.errors import CacheConfigError
+from pagedqvg.store.page_io import PageIO
+from pagedqvg.store.segment import Segment
+
+__all__ = ["fork_cache", "unshare_rows"]
+
+
+def fork_cache(parent, name: str | None = None):
+    """A new cache of `parent`'s class sharing every page of `parent` (see the module docstring); `name` its label
+    (default: the parent's label + "/fork"). Both branches' cached plans are dropped. O(segments + pages), no byte
+    copied. CacheClosedError after `close()`; CacheConfigError for a bad name."""
+    if name is not None and (not isinstance(name, str) or not name):
+        raise CacheConfigError(f"{parent.debug_name}: fork name must be a non-empty str or None, got {name!r}")
+    pool: BlockPool = parent.pool
+    with pool.lock:
+        parent._ensure_open("fork")
+        child = copy.copy(parent)  # every setting; the per-branch state is replaced below
+        child.debug_name = name if name is not None else f"{parent.debug_name}/fork"
+        child.owner = pool.new_owner(child.debug_name)
+        child._seq = _copy_sequencer(parent._seq)
+        pages = [p for entry in child._seq.index for p in entry.value.pages]
+        pool.share(pages, child.owner)  # validated whole before any hold changes
+        child._io = PageIO(pool, parent.layout, parent._packed, parent._io.stores)
+        child._io.run_cap = parent._io.run_cap
+        old = parent._packer
+        child._packer = ChunkPacker(
+            pool=pool, owner=child.owner, layout=parent.layout, io=child._io, seq=child._seq, store=old.store,
+            quant=old.quant, pack_under_pressure=old.pack_under_pressure, stores=old.stores,
+        )  # fmt: skip
+        child._packer.skipped, child._packer.deferred_for_room = old.skipped, old.deferred_for_room
+        child._txn = None
+        child._last_view_ranges = list(parent._last_view_ranges)
+        child._g_tensor, child._l_tensor = parent._g_tensor.clone(), parent._l_tensor.clone()
+        child._finalizer = weakref.finalize(child, _release_later, pool, child.owner)
+        child._packer.report_used()
+        parent._structure_changed()
+        child._structure_changed()
+    return child
+
+
+def _copy_sequencer(seq: Sequencer[Segment]) -> Sequencer[Segment]:
+    """A sequencer with `seq`'s spec and state and its own segment objects (same page ids, own page lists; the
+    derived row indices are read-only and stay shared until a branch's pages change)."""
+    out: Sequencer[Segment] = Sequencer(seq.spec)
+    out.state = copy.deepcopy(seq.state)
+    for entry in seq.index:
+        seg = entry.value
+        clone = copy.copy(seg)
+        clone.pages = list(seg.pages)
+        out.index.insert(entry.start, entry.end, clone)
+    return out
+
+
+def _release_later(pool: BlockPool, owner: str) -> None:
+    """Finalizer of a branch collected without close(): its holds go back at the pool's next operation."""
+    pool.release_owner_later(owner)
+
+
+def unshare_rows(cache, lo: int, hi: int) -> bool:
+    """Before a write of global tokens `[lo, hi)` into `cache`'s dense segments: copy every page of those tokens
+    that another holder shares into a new page of this cache (page granularity: whole pages, one copy each), so the
+    write changes no other branch. Returns whether any page changed (the cache's plans are then dropped). O(1) for a
+    cache holding no shared page, else O(segments written + pages copied). PoolExhaustedError (nothing changed) when
+    the pool has no room for the copies."""
+    pool: BlockPool = cache.pool
+    if not pool.shared_pages_of(cache.owner):
+        return False
+    with pool.lock:
+        todo = _shared_pages_in(cache, lo, hi)
+        if not todo:
+            return False
+        count = sum(len(slots) for _, slots in todo)
+        if count > pool.num_free_pages:
+            raise exhausted_error(
+                pool, count, f"{cache.debug_name}: copy-on-write of {count} page(s) of tokens [{lo}, {hi}) that a "
+                f"fork shares",
+            )  # fmt: skip
+        new = pool.alloc(count, cache.owner)
+        old: list[int] = []
+        for seg, slots in todo:
+            for i in slots:
+                old.append(seg.pages[i])
+                seg.pages[i] = new[len(old) - 1]
+            seg.pages_t = None
+            seg.row_index = None
+        words = pool._page_words()  # int64 words: the fast whole-page copy (as the journal's)
+        src = torch.tensor(old, dtype=torch.int64, device=pool.device)
+        dst = torch.tensor(new, dtype=torch.int64, device=pool.device)
+        words.index_copy_(0, dst, words.index_select(0, src))
+        pool.free(old, cache.owner)  # only holds drop: the others keep those pages
+        cache._structure_changed()
+    return True
+
+
+def _shared_pages_in(cache, lo: int, hi: int) -> list[tuple[Segment, list[int]]]:
+    """The dense segments overlapping `[lo, hi)` with the positions (in `pages`) of their shared pages that hold
+    those tokens. Packed segments are never written in place (a rewrite unpacks into new pages)."""
+    pool: BlockPool = cache.pool
+    tpp = cache.layout.tokens_per_page
+    out: list[tuple[Segment, list[int]]] = []
+    for entry in cache._seq.index.overlapping(lo, hi):
+        seg = entry.value
+        if seg.packed:
+            continue
+        first = (max(lo, entry.start) - entry.start) // tpp
+        last = (min(hi, entry.end) - 1 - entry.start) // tpp
+        slots = [i for i in range(first, last + 1) if len(pool.holders(seg.pages[i])) > 1]
+        if slots:
+            out.append((seg, slots))
+    return out
