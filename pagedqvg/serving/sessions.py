@@ -179,6 +179,8 @@ class _Record:
     planned_pages: int
     ref: weakref.ref
     last_used: float
+    #: a fork's record: its plan counts only the pages it holds alone (the shared ones are its parent's)
+    forked: bool = False
 
 
 class SessionManager:
@@ -233,10 +235,14 @@ class SessionManager:
         """Pages open sessions may still take (planned peak minus pages held now, at least 0). O(caches)."""
         pool = self.pool
         with pool.lock:
-            return sum(
-                max(0, r.planned_pages - sum(pool.pages_of(c.owner) for cs in r.caches for c in cs))
-                for r in self._open.values()
-            )
+            return sum(max(0, r.planned_pages - self._held(r)) for r in self._open.values())
+
+    def _held(self, record: _Record) -> int:
+        """Pages a record's caches hold toward its plan: all of them, or for a fork those it holds alone."""
+        pool = self.pool
+        caches = [c for cs in record.caches for c in cs]
+        held = sum(pool.pages_of(c.owner) for c in caches)
+        return held - sum(pool.shared_pages_of(c.owner) for c in caches) if record.forked else held
 
     def open(self, spec: SessionSpec, *, name: str | None = None, wait_s: float = 0.0) -> Session:
         """Admit and build one session's caches, or raise SessionRefusedError (nothing allocated) when its planned
@@ -281,6 +287,49 @@ class SessionManager:
             session = Session(self, sid, name or f"session{sid}", caches, planned_pages)
             self._open[sid] = _Record(caches, planned_pages, weakref.ref(session), self.clock())
             return session
+
+    def fork(
+        self, session: Session, *, name: str | None = None, divergence_pages: int | None = None, wait_s: float = 0.0
+    ) -> Session:
+        """A new session whose caches are copy-on-write forks of `session`'s (every layer of every cache set, e.g.
+        both CFG sets; `PagedCausalKVCache.fork`): 0 bytes copied, its pages shared until either side writes them.
+
+        It is admitted with a reservation for its divergence: `divergence_pages` pages (default and minimum: the
+        pages of every cache's current chunk, which its next rewrite copies), counted against the pages the fork
+        holds alone, so what it copies or appends draws from its own reservation. SessionRefusedError (nothing
+        changed) when the reservation does not fit, after reclaiming and waiting up to `wait_s` seconds;
+        CacheConfigError for a closed session or a bad count. O(pages of the session)."""
+        if session.manager is not self or session.closed:
+            raise CacheConfigError(f"fork: {session!r} is not an open session of this manager")
+        if divergence_pages is not None:
+            check_int("fork: divergence_pages", divergence_pages, minimum=0, error=CacheConfigError)
+        deadline = time.monotonic() + wait_s
+        with self._changed:
+            while True:
+                self.reclaim()
+                need = max(divergence_pages or 0, _current_chunk_pages(session.caches))
+                available = self.available_pages()
+                if need <= available:
+                    break
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    self.refusals += 1
+                    raise SessionRefusedError(
+                        f"fork of {session.name}: its divergence needs {need} pages, but only {available} are "
+                        f"available ({self.pool.num_free_pages} of {self.pool.num_pages} free, "
+                        f"{self.reserved_pages()} reserved); close sessions, wait (wait_s), or plan less divergence",
+                        needed_pages=need, available_pages=available, free_pages=self.pool.num_free_pages,
+                        reserved_pages=self.reserved_pages(),
+                    )  # fmt: skip
+                self._changed.wait(left)
+            self._serial += 1
+            sid = self._serial
+            label = name or f"{session.name}.fork{sid}"
+            caches = [[c.fork(name=f"{label}.set{s}.layer{i}") for i, c in enumerate(cs)]
+                      for s, cs in enumerate(session.caches)]  # fmt: skip
+            child = Session(self, sid, label, caches, need)
+            self._open[sid] = _Record(caches, need, weakref.ref(child), self.clock(), forked=True)
+            return child
 
     def _refusal(self, spec: SessionSpec, need: int, available: int) -> SessionRefusedError:
         pool = self.pool
@@ -364,3 +413,15 @@ class SessionManager:
     @property
     def open_sessions(self) -> int:
         return len(self._open)
+
+
+def _current_chunk_pages(caches: list[list]) -> int:
+    """Pages of every cache's current chunk (the segments holding tokens from its start to the end): what the first
+    rewrite of a fork copies. O(caches x segments of the chunk)."""
+    total = 0
+    for cache in (c for cs in caches for c in cs):
+        seq = cache._seq
+        start, end = seq.current_chunk_start(), seq.state.global_end
+        if end > start:
+            total += sum(len(e.value.pages) for e in seq.index.overlapping(start, end))
+    return total
