@@ -37,9 +37,13 @@ __all__ = ["fork_cache", "unshare_rows"]
 
 
 def fork_cache(parent, name: str | None = None):
-    """A new cache of `parent`'s class sharing every page of `parent` (see the module docstring); `name` its label
-    (default: the parent's label + "/fork"). Both branches' cached plans are dropped. O(segments + pages), no byte
-    copied. CacheClosedError after `close()`; CacheConfigError for a bad name."""
+    """`PagedCausalKVCache.fork(name=None)`: a new cache (same class and settings) sharing every page of this one,
+    dense and packed (bf16 chunks, packed and aged tiers, the pinned sink): O(segments + pages) metadata, 0 bytes
+    copied, at any point. Each branch then behaves as if it alone had received the calls so far; a write into a page
+    the other branch still holds copies that page first (page granularity; a full pool raises PoolExhaustedError
+    and leaves both branches and the pool as they were). Both branches' cached plans are dropped. `name`: the
+    branch's label (default: this one's + "/fork"). Closing branches in any order frees exactly the pages nobody
+    else holds. CacheClosedError after `close()`; CacheConfigError for a bad name."""
     if name is not None and (not isinstance(name, str) or not name):
         raise CacheConfigError(f"{parent.debug_name}: fork name must be a non-empty str or None, got {name!r}")
     pool: BlockPool = parent.pool

@@ -557,13 +557,7 @@ class PagedCausalKVCache(CacheReadout):
         self._packer.report_used()
         self._on_cursors_changed(self._seq.state.global_end, self._seq.state.local_end)
 
-    def fork(self, name: str | None = None) -> PagedCausalKVCache:
-        """A new cache (same class and settings) that shares every page of this one, dense and packed: O(pages)
-        metadata, 0 bytes copied, at any point. Each branch then behaves as if it alone had received the calls so
-        far; a write into a page the other branch still holds copies that page first (page granularity; a full pool
-        raises PoolExhaustedError and leaves both as they were). `name`: the branch's label (default: this one's +
-        "/fork"). Closing branches in any order frees exactly the pages nobody else holds. See cache/fork.py."""
-        return fork_cache(self, name)
+    fork = fork_cache  # fork(name=None): a copy-on-write branch sharing every page (cache/fork.py)
 
     @_holding_pool_lock
     def close(self) -> None:
