@@ -84,11 +84,11 @@ class Branch:
 class ForkMachine(RuleBasedStateMachine):
     QUANT = False
 
-    @initialize(cfg=configs(quant=False))
-    def setup(self, cfg):
-        self.start(cfg)
+    @initialize(cfg=configs(quant=False), first=st.integers(0, 12), seed=seeds)
+    def setup(self, cfg, first, seed):
+        self.start(cfg, first, seed)
 
-    def start(self, cfg):
+    def start(self, cfg, first, seed):
         note(f"config: {cfg}")
         self.cfg = cfg
         pages = MAX_BRANCHES * 3 * (cfg["C"] + 4) + 8
@@ -98,6 +98,9 @@ class ForkMachine(RuleBasedStateMachine):
         self.branches: list[Branch] = []
         self.forks = 0
         self.branches.append(Branch(self.new_cache(self.pool), self.new_twin([]), [], None))
+        most = max(1, cfg["C"] - max(cfg["S"], cfg["GS"]))
+        for k, s in enumerate(range(0, first, most)):  # a history to fork (programs start with a fork of it)
+            self.write(self.branches[0], s, min(most, first - s), cfg["H"], None, None, seed + k)
 
     def new_cache(self, pool):
         cfg = self.cfg
@@ -374,9 +377,9 @@ class ForkMachine(RuleBasedStateMachine):
 class QuantForkMachine(ForkMachine):
     QUANT = True
 
-    @initialize(cfg=configs(quant=True))
-    def setup(self, cfg):
-        self.start(cfg)
+    @initialize(cfg=configs(quant=True), first=st.integers(0, 12), seed=seeds)
+    def setup(self, cfg, first, seed):
+        self.start(cfg, first, seed)
 
 
 TestForkMachine = ForkMachine.TestCase
