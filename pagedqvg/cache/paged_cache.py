@@ -252,10 +252,9 @@ class PagedCausalKVCache(CacheReadout):
 
     # ------------------------------------------------------------ checks
     def _ensure_open(self, what: str) -> None:
-        if self._closed:
-            raise CacheClosedError(
-                f"{self.debug_name}: {what} after close(); its pages are back in the pool — make a new cache"
-            )
+        if self._closed:  # True, or a str: why it is out of service (serving/host_tier.py's swap-out)
+            why = "after close(); its pages are back in the pool — make a new cache"
+            raise CacheClosedError(f"{self.debug_name}: {what} " + (self._closed if self._closed is not True else why))
 
     # ------------------------------------------------------------ pages and views (page_io.PageIO)
     def _structure_changed(self) -> None:
