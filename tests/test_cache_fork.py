@@ -260,3 +260,60 @@ def test_session_fork_refused_when_its_divergence_does_not_fit():
     s.close()
     with pytest.raises(CacheConfigError, match="not an open session"):
         mgr.fork(s)
+
+
+def test_packing_a_shared_chunk_happens_once_and_the_other_branch_adopts_it():
+    q = QuantConfig(bits=4, centroids=2, block_size=4, keep_recent_chunks=0, sink=False)
+    pool = BlockPool(capacity_bytes=64 * 512, page_bytes=512)
+    a = make(pool, quant=q)
+    k, v = kv(4, 1)
+    a.update_and_get_attention_kv(key=k, value=v, current_chunk_start=0)  # the current chunk [0, 4): dense
+    b = a.fork()
+    dense = pages(a)
+    twins = []
+    for _branch in (a, b):
+        twin = make(BlockPool(capacity_bytes=64 * 512, page_bytes=512), quant=q)
+        twin.update_and_get_attention_kv(key=k, value=v, current_chunk_start=0)
+        twins.append(twin)
+    k2, v2 = kv(4, 2)
+    for cache, twin in zip((a, b), twins, strict=True):  # each advance packs [0, 4): a quantizes, b adopts
+        got = cache.update_and_get_attention_kv(key=k2, value=v2, current_chunk_start=4)
+        want = twin.update_and_get_attention_kv(key=k2, value=v2, current_chunk_start=4)
+        assert torch.equal(got.k, want.k) and torch.equal(got.v, want.v)
+        assert cache.memory_breakdown() == twin.memory_breakdown()
+    packed_a, packed_b = a._seq.index.find(0).value, b._seq.index.find(0).value
+    assert packed_a.packed and packed_b.packed and packed_a is not packed_b
+    assert packed_a.pages == packed_b.pages  # the same pages: packed once, held by both
+    assert all(pool.holders(p) == (a.owner, b.owner) for p in packed_a.pages)
+    assert all(pool.holders(p) == () or p in pages(a) + pages(b) for p in dense)  # the dense source is free
+    assert pool.stats().used_pages == len(packed_a.pages) + 2  # + one dense page per branch's new chunk
+    b.rewind_to(2)  # b trims its hold on the shared packed chunk; a keeps every page
+    a.close()
+    pool.check()
+    b.close()
+    assert pool.num_free_pages == pool.num_pages
+
+
+def test_a_rewrite_of_the_source_after_the_other_branch_packed_is_packed_again():
+    q = QuantConfig(bits=4, centroids=2, block_size=4, keep_recent_chunks=0, sink=False)
+    pool = BlockPool(capacity_bytes=64 * 512, page_bytes=512)
+    a = make(pool, quant=q)
+    twin = make(BlockPool(capacity_bytes=64 * 512, page_bytes=512), quant=q)
+    calls = [(4, 0, 1), (4, 4, 2)]  # a packs [0, 4) at its advance
+    b = None
+    for i, (n, s, seed) in enumerate(calls):
+        if i == 1:
+            b = a.fork()
+        k, v = kv(n, seed)
+        a.update_and_get_attention_kv(key=k, value=v, current_chunk_start=s)
+    k, v = kv(4, 1)
+    twin.update_and_get_attention_kv(key=k, value=v, current_chunk_start=0)
+    k, v = kv(2, 7)  # b rewrites its dense [0, 4), which it now holds alone: a's record no longer applies
+    for c in (b, twin):
+        c.update_and_get_attention_kv(key=k, value=v, current_chunk_start=1)
+    k, v = kv(4, 2)
+    got = b.update_and_get_attention_kv(key=k, value=v, current_chunk_start=4)
+    want = twin.update_and_get_attention_kv(key=k, value=v, current_chunk_start=4)
+    assert torch.equal(got.k, want.k) and torch.equal(got.v, want.v)
+    assert b._seq.index.find(0).value.pages != a._seq.index.find(0).value.pages  # b packed its own
+    pool.check()

@@ -14,8 +14,9 @@ its new tokens into a new segment; packing, aging and unpacking write the new fo
 frees it. A copy that meets a full pool raises PoolExhaustedError before anything changed (inside a call that
 already changed something, the call's transaction rolls back), so both branches and the pool stay as they were.
 
-Packing a shared chunk: each branch packs its own copy (its policy reaches the chunk at its own time; the packed
-bytes are deterministic, so the branches' packed segments are equal but not shared).
+Packing a shared chunk happens once (cache/shared_packing.py): the first branch whose policy packs or ages it
+computes the packed segment; the others adopt those same pages when their own policy reaches the chunk, so the
+history stays shared and each branch's views equal its unforked twin's.
 """
 
 from __future__ import annotations
@@ -25,6 +26,7 @@ import weakref
 
 import torch
 
+import pagedqvg.cache.shared_packing as shared_packing
 from pagedqvg.allocator import BlockPool
 from pagedqvg.allocator.pool import exhausted_error
 from pagedqvg.cache.packing import ChunkPacker
@@ -98,6 +100,7 @@ def unshare_rows(cache, lo: int, hi: int) -> bool:
     cache holding no shared page, else O(segments written + pages copied). PoolExhaustedError (nothing changed) when
     the pool has no room for the copies."""
     pool: BlockPool = cache.pool
+    shared_packing.forget_written(pool, cache._seq.index, lo, hi)  # "packing happens once" records of these rows
     if not pool.shared_pages_of(cache.owner):
         return False
     with pool.lock:

@@ -21,6 +21,7 @@ import warnings
 
 import torch
 
+import pagedqvg.cache.shared_packing as shared_packing
 from pagedqvg.allocator import BlockPool, RangeEntry
 from pagedqvg.allocator.pool import exhausted_error, set_used_bytes
 from pagedqvg.cache.policy import layer_pack_targets, pressure_candidates, sink_segment_starts, tier_targets
@@ -200,6 +201,8 @@ class ChunkPacker:
         can fail happens before the first page changes hands."""
         store = self.target(fmt)
         assert not entry.value.packed or store is not self.store_of(entry.value)
+        if shared_packing.adopt(self.pool, self.owner, entry, store.name):  # a fork packed this chunk already
+            return True
         if self.net_pages(entry, fmt) + self.pool.num_free_pages < 0:
             self.deferred_for_room += 1  # the policy retries at the next advance
             return False
@@ -221,7 +224,11 @@ class ChunkPacker:
                 stacklevel=4,
             )
             return False
+        source = tuple(entry.value.pages)
+        shared = self.pool.freeable(source) < len(source)  # a fork holds these pages too: it may adopt the result
         self.store_packed(entry, quantized, fmt)
+        if shared:
+            shared_packing.remember(self.pool, self.seq, entry, source, store.name)
         return True
 
     def format_of(self, seg: Segment) -> str:
