@@ -315,6 +315,23 @@ class ForkMachine(RuleBasedStateMachine):
         for k, side in enumerate((b, self.branches[-1])):
             self.rewrite_retained(self.branches.index(side), data, r, seed + k)
 
+    @rule(i=branch, data=st.data(), seed=seeds, same=st.booleans())
+    def fork_and_advance_both(self, i, data, seed, same):
+        """Fork, then an advance on each side (the same or other values): both policies pack the chunks they
+        share, so the second adopts the first's packed segment ("packing happens once")."""
+        if len(self.branches) >= MAX_BRANCHES:
+            return
+        b = self.pick(i)
+        self.fork(self.branches.index(b))
+        most = max(1, self.cfg["C"] - max(self.cfg["S"], self.cfg["GS"]))
+        n = data.draw(st.integers(1, most), label="n")
+        for k, side in enumerate((b, self.branches[-1])):
+            self.write(side, self.G(side), n, self.cfg["H"], None, None, seed + (0 if same else k))
+        if self.QUANT:
+            shared = [e for e in b.cache._seq.index if e.value.packed and len(self.pool.holders(e.value.pages[0])) > 1]
+            if shared:
+                event("a packed chunk shared by two branches after both advanced")
+
     @rule(i=branch, data=st.data(), kind=st.sampled_from(["pin", "rewind", "rewind", "reset"]))
     def other_call(self, i, data, kind):
         """A pin, a rewind or a reset (one rule, so that writes and forks make most of a program)."""
