@@ -292,3 +292,31 @@ def test_a_swap_that_does_not_fit_leaves_the_session_where_it_was():
     assert host2.stats().used_pages == 0 and pool.num_free_pages == pool.num_pages
     with pytest.raises(CacheConfigError, match="no host_pool"):
         SessionManager(pool).swap_out(s2)
+
+
+def test_forks_swaps_and_packing_once_together():
+    sp = spec(quant=QUANT, layers=2)
+    pool = BlockPool(capacity_bytes=200 * PAGE, page_bytes=PAGE)
+    host = BlockPool(capacity_bytes=200 * PAGE, page_bytes=PAGE)
+    mgr = SessionManager(pool, host_pool=host)
+    twin_mgr = SessionManager(BlockPool(capacity_bytes=200 * PAGE, page_bytes=PAGE))
+    s, twin = mgr.open(sp), twin_mgr.open(sp)
+    for k in range(3):
+        run_chunk(s, sp, k)
+        run_chunk(twin, sp, k)
+    f = mgr.fork(s)
+    run_chunk(s, sp, 3)  # packs chunk 1 (chunk 0 is the dense sink), which f shares: f could adopt it
+    mgr.swap_out(s)  # ... but s's pages are host pages now: f must pack its own
+    with pytest.raises(CacheConfigError, match="not an open session of this manager on the device"):
+        mgr.fork(s)
+    run_chunk(f, sp, 3)
+    run_chunk(twin, sp, 3)
+    for x, y in zip(_readouts(f), _readouts(twin), strict=True):
+        assert torch.equal(x, y)
+    mgr.swap_in(s)
+    for x, y in zip(_readouts(s), _readouts(twin), strict=True):
+        assert torch.equal(x, y)
+    f.close()
+    s.close()
+    pool.check()
+    assert pool.num_free_pages == pool.num_pages and host.stats().used_pages == 0

@@ -16,6 +16,8 @@ A page shared by two swapped sessions is copied by each. Complexity: O(pages of 
 
 from __future__ import annotations
 
+import copy
+
 import torch
 
 from pagedqvg.allocator import BlockPool
@@ -57,8 +59,8 @@ def _take(pool: BlockPool, caches: list, counts: list[int]) -> list[list[int]]:
 def _repoint(cache, new_pages: list[int]) -> None:
     """The cache's segments hold `new_pages` (in index order) from now on; its plans are dropped."""
     it = iter(new_pages)
-    for entry in cache._seq.index:
-        seg = entry.value
+    for entry in cache._seq.index:  # new Segment objects: records of the old ones (shared_packing) go stale
+        seg = entry.value = copy.copy(entry.value)
         seg.pages = [next(it) for _ in seg.pages]
         seg.pages_t = None
         seg.row_index = None

@@ -310,8 +310,8 @@ class SessionManager:
         holds alone, so what it copies or appends draws from its own reservation. SessionRefusedError (nothing
         changed) when the reservation does not fit, after reclaiming and waiting up to `wait_s` seconds;
         CacheConfigError for a closed session or a bad count. O(pages of the session)."""
-        if session.manager is not self or session.closed:
-            raise CacheConfigError(f"fork: {session!r} is not an open session of this manager")
+        if session.manager is not self or session.closed or self._open[session.id].swapped:
+            raise CacheConfigError(f"fork: {session.name} is not an open session of this manager on the device")
         if divergence_pages is not None:
             check_int("fork: divergence_pages", divergence_pages, minimum=0, error=CacheConfigError)
         deadline = time.monotonic() + wait_s
