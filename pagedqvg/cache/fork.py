@@ -31,6 +31,7 @@ from pagedqvg.allocator import BlockPool
 from pagedqvg.allocator.pool import exhausted_error
 from pagedqvg.cache.packing import ChunkPacker
 from pagedqvg.cache.sequencing import Sequencer
+from pagedqvg.cache.shared_packing import shared_pages_in
 from pagedqvg.errors import CacheConfigError
 from pagedqvg.store.page_io import PageIO
 from pagedqvg.store.segment import Segment
@@ -104,7 +105,7 @@ def unshare_rows(cache, lo: int, hi: int) -> bool:
     if not pool.shared_pages_of(cache.owner):
         return False
     with pool.lock:
-        todo = _shared_pages_in(cache, lo, hi)
+        todo = shared_pages_in(pool, cache._seq.index, cache.layout.tokens_per_page, lo, hi)
         if not todo:
             return False
         count = sum(len(slots) for _, slots in todo)
@@ -128,21 +129,3 @@ def unshare_rows(cache, lo: int, hi: int) -> bool:
         pool.free(old, cache.owner)  # only holds drop: the others keep those pages
         cache._structure_changed()
     return True
-
-
-def _shared_pages_in(cache, lo: int, hi: int) -> list[tuple[Segment, list[int]]]:
-    """The dense segments overlapping `[lo, hi)` with the positions (in `pages`) of their shared pages that hold
-    those tokens. Packed segments are never written in place (a rewrite unpacks into new pages)."""
-    pool: BlockPool = cache.pool
-    tpp = cache.layout.tokens_per_page
-    out: list[tuple[Segment, list[int]]] = []
-    for entry in cache._seq.index.overlapping(lo, hi):
-        seg = entry.value
-        if seg.packed:
-            continue
-        first = (max(lo, entry.start) - entry.start) // tpp
-        last = (min(hi, entry.end) - 1 - entry.start) // tpp
-        slots = [i for i in range(first, last + 1) if len(pool.holders(seg.pages[i])) > 1]
-        if slots:
-            out.append((seg, slots))
-    return out

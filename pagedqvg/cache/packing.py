@@ -92,6 +92,13 @@ class ChunkPacker:
         need = layout.pages_for_tokens(plan.new_tokens) if plan.new_tokens else 0
         need += sum(layout.pages_for_tokens(x.end - x.start) - pool.freeable(x.value.pages) for x in unpack)
         freed = sum(pool.freeable(x.value.pages) for x in plan.released)  # pages a fork shares stay held
+        G = self.seq.state.global_end
+        copies = 0
+        if pool.shared_pages_of(self.owner):  # the write's copy-on-write (cache/fork.py) needs pages too
+            cow = shared_packing.shared_pages_in(pool, self.seq.index, layout.tokens_per_page, plan.start,
+                                                 min(plan.end, G), plan.released)  # fmt: skip
+            copies = sum(len(slots) for _, slots in cow)
+            need += copies
         deficit = need - (pool.num_free_pages + freed)
         if deficit <= 0:
             return []
@@ -99,8 +106,9 @@ class ChunkPacker:
             pressure = self.pressure_plan(deficit, plan, unpack)
             if pressure:
                 return pressure
-        G = self.seq.state.global_end
         what = f"appending {plan.new_tokens} tokens at {G}" if plan.new_tokens else ""
+        if copies:
+            what += f"; copy-on-write of {copies} page(s) a fork shares"
         if unpack:
             chunks = ", ".join(f"[{x.start}, {x.end})" for x in unpack)
             what += ("; " if what else "") + f"unpacking packed chunk(s) {chunks} for the rewrite at {plan.start}"

@@ -18,7 +18,7 @@ from dataclasses import dataclass
 from pagedqvg.allocator import BlockPool, RangeEntry, RangeIndex
 from pagedqvg.store.segment import Segment, SegmentKind
 
-__all__ = ["adopt", "forget_written", "remember"]
+__all__ = ["adopt", "forget_written", "remember", "shared_pages_in"]
 
 #: pool -> {(source pages, start, end, format name): the packed segment of the branch that packed it}
 _RECORDS: weakref.WeakKeyDictionary[BlockPool, dict[tuple, _Packed]] = weakref.WeakKeyDictionary()
@@ -71,3 +71,20 @@ def forget_written(pool: BlockPool, index: RangeIndex[Segment], lo: int, hi: int
             pages = tuple(entry.value.pages)
             for key in [k for k in table if k[0] == pages]:
                 del table[key]
+
+
+def shared_pages_in(pool: BlockPool, index: RangeIndex[Segment], tpp: int, lo: int, hi: int, skip=()) -> list:
+    """`(segment, positions in its pages)` of every dense segment of `index` overlapping global tokens `[lo, hi)`
+    (except entries in `skip`) whose pages holding those tokens (`tpp` tokens per page) another holder shares: what
+    a write there copies first (cache/fork.py). Packed segments are never written in place. O(segments x pages)."""
+    out: list[tuple[Segment, list[int]]] = []
+    for entry in index.overlapping(lo, hi):
+        seg = entry.value
+        if seg.packed or any(entry is x for x in skip):
+            continue
+        first = (max(lo, entry.start) - entry.start) // tpp
+        last = (min(hi, entry.end) - 1 - entry.start) // tpp
+        slots = [i for i in range(first, last + 1) if len(pool.holders(seg.pages[i])) > 1]
+        if slots:
+            out.append((seg, slots))
+    return out
