@@ -15,6 +15,7 @@ import torch
 
 from pagedqvg import BlockPool, CacheClosedError, CacheConfigError, PoolExhaustedError, QuantConfig
 from pagedqvg.allocator.pool import debug_state
+from pagedqvg.errors import SessionRefusedError
 from pagedqvg.serving.sessions import SessionManager, SessionSpec, planned_session_pages
 
 PAGE = 1024
@@ -225,3 +226,110 @@ def test_adopt_tracks_caches_built_elsewhere():
         SessionManager(other).adopt(built)
     del session
     assert manager.reclaim() == 1 and pool.stats().used_pages == 0 and built[0][0].closed
+
+
+# ---------------------------------------------------------------------------------------------------- host tier
+def _readouts(session) -> list[torch.Tensor]:
+    return [c._read_slots("test") for cs in session.caches for c in cs]
+
+
+@pytest.mark.parametrize("quant", [None, QUANT], ids=["quant_off", "quant_on"])
+def test_swap_out_and_in_round_trip_is_bit_equal_and_frees_the_device(quant):
+    sp = spec(quant=quant, cache_sets=2)
+    pool = BlockPool(capacity_bytes=200 * PAGE, page_bytes=PAGE)
+    host = BlockPool(capacity_bytes=200 * PAGE, page_bytes=PAGE)
+    twin_mgr = SessionManager(BlockPool(capacity_bytes=200 * PAGE, page_bytes=PAGE))
+    mgr = SessionManager(pool, host_pool=host)
+    s, twin = mgr.open(sp), twin_mgr.open(sp)
+    for k in range(4):
+        run_chunk(s, sp, k)
+        run_chunk(twin, sp, k)
+    before = _readouts(s)
+    held = s.held_pages()
+    reserved = mgr.reserved_pages()
+    assert mgr.swap_out(s) == held
+    assert pool.num_free_pages == pool.num_pages and host.stats().used_pages == held
+    assert mgr.reserved_pages() == reserved - max(0, s.planned_pages - held)  # a parked session reserves nothing
+    with pytest.raises(CacheClosedError, match="swapped out to host memory"):
+        run_chunk(s, sp, 4)
+    with pytest.raises(CacheConfigError, match="swapped out already"):
+        mgr.swap_out(s)
+    assert mgr.swap_in(s) == held
+    assert host.stats().used_pages == 0 and s.held_pages() == held
+    for x, y in zip(_readouts(s), before, strict=True):
+        assert torch.equal(x, y)
+    run_chunk(s, sp, 4)  # and it goes on exactly as the twin that never left
+    run_chunk(twin, sp, 4)
+    for x, y in zip(_readouts(s), _readouts(twin), strict=True):
+        assert torch.equal(x, y)
+    pool.check()
+    host.check()
+    s.close()
+    assert pool.num_free_pages == pool.num_pages
+
+
+def test_a_swap_that_does_not_fit_leaves_the_session_where_it_was():
+    sp = spec()
+    pool = BlockPool(capacity_bytes=60 * PAGE, page_bytes=PAGE)
+    host = BlockPool(capacity_bytes=4 * PAGE, page_bytes=PAGE)
+    mgr = SessionManager(pool, host_pool=host)
+    s = mgr.open(sp)
+    for k in range(3):
+        run_chunk(s, sp, k)
+    before = (pool.stats(), debug_state(pool), host.stats(), _readouts(s))
+    with pytest.raises(PoolExhaustedError):
+        mgr.swap_out(s)  # the host pool is too small
+    assert (pool.stats(), debug_state(pool), host.stats()) == before[:3]
+    for x, y in zip(_readouts(s), before[3], strict=True):
+        assert torch.equal(x, y)
+    # device side: parked, then the device fills up; swap_in is refused and it stays on the host
+    host2 = BlockPool(capacity_bytes=60 * PAGE, page_bytes=PAGE)
+    mgr2 = SessionManager(pool, host_pool=host2)
+    s.close()
+    s2 = mgr2.open(sp)
+    for k in range(3):
+        run_chunk(s2, sp, k)
+    ref = _readouts(s2)
+    mgr2.swap_out(s2)
+    squeeze = pool.alloc(pool.num_free_pages - 2, "squeeze")
+    parked = host2.stats()
+    with pytest.raises(SessionRefusedError, match="swap_in of session1"):
+        mgr2.swap_in(s2)
+    assert host2.stats() == parked and pool.num_free_pages == 2
+    pool.free(squeeze, "squeeze")
+    mgr2.swap_in(s2)
+    for x, y in zip(_readouts(s2), ref, strict=True):
+        assert torch.equal(x, y)
+    mgr2.swap_out(s2)
+    s2.close()  # closing a parked session frees its host pages
+    assert host2.stats().used_pages == 0 and pool.num_free_pages == pool.num_pages
+    with pytest.raises(CacheConfigError, match="no host_pool"):
+        SessionManager(pool).swap_out(s2)
+
+
+def test_forks_swaps_and_packing_once_together():
+    sp = spec(quant=QUANT, layers=2)
+    pool = BlockPool(capacity_bytes=200 * PAGE, page_bytes=PAGE)
+    host = BlockPool(capacity_bytes=200 * PAGE, page_bytes=PAGE)
+    mgr = SessionManager(pool, host_pool=host)
+    twin_mgr = SessionManager(BlockPool(capacity_bytes=200 * PAGE, page_bytes=PAGE))
+    s, twin = mgr.open(sp), twin_mgr.open(sp)
+    for k in range(3):
+        run_chunk(s, sp, k)
+        run_chunk(twin, sp, k)
+    f = mgr.fork(s)
+    run_chunk(s, sp, 3)  # packs chunk 1 (chunk 0 is the dense sink), which f shares: f could adopt it
+    mgr.swap_out(s)  # ... but s's pages are host pages now: f must pack its own
+    with pytest.raises(CacheConfigError, match="not an open session of this manager on the device"):
+        mgr.fork(s)
+    run_chunk(f, sp, 3)
+    run_chunk(twin, sp, 3)
+    for x, y in zip(_readouts(f), _readouts(twin), strict=True):
+        assert torch.equal(x, y)
+    mgr.swap_in(s)
+    for x, y in zip(_readouts(s), _readouts(twin), strict=True):
+        assert torch.equal(x, y)
+    f.close()
+    s.close()
+    pool.check()
+    assert pool.num_free_pages == pool.num_pages and host.stats().used_pages == 0

@@ -2,14 +2,15 @@
 
 Every K/V byte of every layer lives in one `torch.uint8` arena of `num_pages * page_bytes` bytes, made once.
 Pages are handed out and taken back in O(1) per page; a multi-page request is all-or-nothing. Every page is
-either free or held by exactly one owner (a string such as ``"layer3#7"``). Nothing here knows about attention.
+either free or held by one or more owners (strings such as ``"layer3#7"``): `share` adds a holder (a forked cache),
+`free` drops one, and a page goes back to the free list when its last holder lets go (refcounted pages, as vLLM's
+blocks). Nothing here knows about attention.
 """
 
 from __future__ import annotations
 
 import contextlib
 import functools
-import os
 import threading
 from collections import Counter, deque
 from collections.abc import Iterator
@@ -17,25 +18,21 @@ from dataclasses import dataclass
 
 import torch
 
+import pagedqvg.allocator.sharing as sharing
+from pagedqvg.allocator.devices import available_memory_bytes, format_bytes, resolve_device
 from pagedqvg.errors import PageOwnershipError, PoolExhaustedError, PoolInvariantError
 from pagedqvg.validation import PAGE_ALIGN_BYTES, check_int, is_int, nearest_page_bytes
 
 DEFAULT_PAGE_BYTES = 1 << 20  # 1 MiB
-
-
-def format_bytes(n: int) -> str:
-    """Human-readable bytes in binary units (``1.50 GiB``)."""
-    value = float(n)
-    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
-        if abs(value) < 1024 or unit == "TiB":
-            return f"{int(value)} B" if unit == "B" else f"{value:.2f} {unit}"
-        value /= 1024
-    raise AssertionError("unreachable")
+__all__ = ["DEFAULT_PAGE_BYTES", "BlockPool", "PoolStats", "available_memory_bytes", "format_bytes"]
 
 
 @dataclass(frozen=True, slots=True)
 class PoolStats:
-    """A snapshot of the pool's accounting. Bytes are exact; `waste_bytes = held_bytes - used_bytes`."""
+    """A snapshot of the pool's accounting. Bytes are exact; `waste_bytes = held_bytes - used_bytes`.
+
+    `used_pages` and `held_bytes` count a shared page once; `owner_pages` and `used_bytes` (each owner's report)
+    count it for every holder, so with shared pages `waste_bytes` may be negative: the bytes sharing saves."""
 
     total_pages: int
     used_pages: int
@@ -45,7 +42,13 @@ class PoolStats:
     used_bytes: int  # bytes the owners report they actually use inside their pages
     waste_bytes: int
     high_water_pages: int
-    owner_pages: tuple[tuple[str, int], ...]  # sorted by owner name
+    owner_pages: tuple[tuple[str, int], ...]  # sorted by owner name; a shared page counts for each holder
+    shared_pages: int = 0  # pages with two or more holders (counted once in used_pages)
+    owner_shared_pages: tuple[tuple[str, int], ...] = ()  # per owner: how many of its pages others hold too
+
+    def exclusive_pages(self, owner: str) -> int:
+        """Pages only `owner` holds (its pages minus its shared ones). O(owners)."""
+        return dict(self.owner_pages).get(owner, 0) - dict(self.owner_shared_pages).get(owner, 0)
 
     @property
     def high_water_bytes(self) -> int:
@@ -58,39 +61,6 @@ def _check_positive_int(name: str, value: object) -> int:
 
 #: One wording for a count argument of the pool's methods, e.g. 'alloc: n must be an int >= 0, got -1'.
 _METHOD_INT = "{name} must be {allowed}, got {value!r}"
-
-
-def _resolve_device(device: torch.device | str) -> torch.device:
-    try:
-        dev = torch.device(device)
-    except (RuntimeError, TypeError) as exc:
-        raise ValueError(f"unknown device {device!r}: {exc}") from None
-    if dev.type == "cuda":
-        if not torch.cuda.is_available():
-            raise ValueError(f"device {device!r} requested but CUDA is not available; use device='cpu'")
-        if dev.index is None:
-            dev = torch.device("cuda", torch.cuda.current_device())
-        elif dev.index >= torch.cuda.device_count():
-            raise ValueError(f"device {device!r}: only {torch.cuda.device_count()} CUDA device(s) exist")
-    elif dev.type != "cpu":
-        raise ValueError(f"unsupported device {device!r}: pagedqvg runs on 'cpu' or 'cuda'")
-    return dev
-
-
-def available_memory_bytes(device: torch.device | str) -> int:
-    """Free memory of a device in bytes: `torch.cuda.mem_get_info` on CUDA, MemAvailable of the host on CPU."""
-    dev = _resolve_device(device)
-    if dev.type == "cuda":
-        free, _total = torch.cuda.mem_get_info(dev)
-        return int(free)
-    try:
-        with open("/proc/meminfo", encoding="ascii") as fh:
-            for line in fh:
-                if line.startswith("MemAvailable:"):
-                    return int(line.split()[1]) * 1024
-    except OSError:
-        pass
-    return int(os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE"))
 
 
 def _locked(method):
@@ -148,7 +118,7 @@ class BlockPool:
                 f"capacity_bytes={capacity_bytes} is below one page of page_bytes={page_bytes}; "
                 f"give at least {page_bytes} bytes or use smaller pages"
             )
-        self.device = _resolve_device(device)
+        self.device = resolve_device(device)
         self.page_bytes = page_bytes
         self.num_pages = capacity_bytes // page_bytes
         total = self.num_pages * page_bytes
@@ -171,6 +141,9 @@ class BlockPool:
         self.lock = threading.RLock()
         self._deferred: deque[str] = deque()  # owners whose pages go back at the next pool operation
         self._journal: tuple[str, list] | None = None  # (owner, records) while a cache call may still roll back
+        # Pages with two or more holders: page -> holders in the order they took it (`_owner_of[p]` is the first).
+        self._shared: dict[int, list[str]] = {}
+        self._owner_shared: Counter[str] = Counter()  # per owner: pages it holds that others hold too
 
     @classmethod
     def from_free_memory(
@@ -338,8 +311,16 @@ class BlockPool:
             holder = owner_of[p]
             if holder is None:
                 raise PageOwnershipError(f"free by {owner}: page {p} is already free (double free)")
-            if holder != owner:
+            holders = self._shared.get(p)
+            if holders is not None and owner not in holders:
+                raise PageOwnershipError(f"free by {owner}: page {p} is held by {', '.join(holders)}, not by {owner}")
+            if holders is None and holder != owner:
                 raise PageOwnershipError(f"free by {owner}: page {p} belongs to {holder}, not to {owner}")
+        shared = [p for p in pages if p in self._shared] if self._shared else []
+        if shared:  # holds dropped, the pages stay with their other holders (bytes untouched)
+            sharing.drop_holds(self, shared, owner)
+            dropped = set(shared)
+            pages = [p for p in pages if p not in dropped]
         if pages and self._journal is not None and self._journal[0] == owner:
             index = torch.tensor(list(pages), dtype=torch.int64, device=self.device)
             data = torch.index_select(self._page_words(), 0, index)  # a copy of the pages' bytes
@@ -347,15 +328,50 @@ class BlockPool:
         for p in reversed(pages):
             owner_of[p] = None
             self._free.append(p)
-        if pages:
-            left = self._owner_pages[owner] - len(pages)
-            if left:
+        self._forget_pages(owner, len(pages) + len(shared))
+
+    def _forget_pages(self, owner: str, count: int) -> None:
+        """`owner` holds `count` fewer pages (the caller holds the lock): its counts and used bytes follow."""
+        if count:
+            left = self._owner_pages[owner] - count
+            if left > 0:
                 self._owner_pages[owner] = left
                 if self._owner_used.get(owner, 0) > left * self.page_bytes:  # the owner reports again later
                     self._owner_used[owner] = left * self.page_bytes
             else:
                 del self._owner_pages[owner]
                 self._owner_used.pop(owner, None)
+
+    @_locked
+    def share(self, pages: list[int] | tuple[int, ...], new_owner: str) -> None:
+        """Make `new_owner` one more holder of `pages` (each held now, by others): no byte moves, the pages stay
+        used once, and each goes back to the free list only when its last holder frees it. All or nothing: a page
+        that is free, unknown, listed twice or already held by `new_owner` raises PageOwnershipError naming it and
+        its holders, and nothing changes. O(len(pages) x holders)."""
+        sharing.check_share(self, pages, new_owner)
+        sharing.add_holds(self, list(pages), new_owner)
+
+    @_locked
+    def holders(self, page: int) -> tuple[str, ...]:
+        """The owners holding `page`, first taker first (empty when free). O(holders)."""
+        holders = self._shared.get(page)
+        if holders is not None:
+            return tuple(holders)
+        first = self._owner_of[page]
+        return () if first is None else (first,)
+
+    @_locked
+    def shared_pages_of(self, owner: str) -> int:
+        """Pages `owner` holds that some other owner holds too. O(1)."""
+        return self._owner_shared.get(owner, 0)
+
+    @_locked
+    def freeable(self, pages: list[int] | tuple[int, ...]) -> int:
+        """How many of (held) `pages` go back to the free list when their holder frees them: those no one else
+        holds. O(len(pages)); O(1) while no page is shared."""
+        if not self._shared:
+            return len(pages)
+        return sum(1 for p in pages if p not in self._shared)
 
     @_locked
     def release_owner(self, owner: str) -> int:
@@ -366,6 +382,8 @@ class BlockPool:
     def _release_owner(self, owner: str) -> int:
         """`release_owner`'s body (the caller holds the lock)."""
         pages = [p for p, holder in enumerate(self._owner_of) if holder == owner]
+        if self._owner_shared.get(owner):
+            pages += [p for p, holders in self._shared.items() if owner in holders[1:]]
         self._owner_used.pop(owner, None)
         self._free_pages(pages, owner)
         return len(pages)
@@ -384,16 +402,20 @@ class BlockPool:
         self._journal = None
 
     def journal_rollback(self) -> None:
-        """Undo every allocation and free of the journal's owner since `journal_begin`, newest first: pages it took
-        go back to the free list, pages it gave back are its own again with their bytes restored. O(pages moved +
+        """Undo every allocation, free and hold change of the journal's owner since `journal_begin`, newest first:
+        pages it took go back to the free list, pages it gave back are its own again with their bytes restored,
+        holds it dropped on shared pages are taken again and holds it added (`share`) dropped. O(pages moved +
         free pages)."""
         assert self._journal is not None
         owner, records = self._journal
         self._journal = None
         rows = self._page_words()
         for kind, pages, data in reversed(records):
-            if kind == "alloc":
+            if kind == "alloc" or kind == "share":
                 self._free_pages(pages, owner)
+                continue
+            if kind == "drop":  # the pages stayed held by the others (the caller held the lock): hold them again
+                sharing.restore_holds(self, pages, data, owner)
                 continue
             back = set(pages)
             self._free = [p for p in self._free if p not in back]
@@ -457,6 +479,8 @@ class BlockPool:
             waste_bytes=held - used_bytes,
             high_water_pages=self._high_water,
             owner_pages=tuple(sorted(self._owner_pages.items())),
+            shared_pages=len(self._shared),
+            owner_shared_pages=tuple(sorted(self._owner_shared.items())),
         )
 
     @_locked
@@ -482,6 +506,7 @@ class BlockPool:
             raise PoolInvariantError(
                 f"{len(free)} free + {sum(counts.values())} owned != {self.num_pages} pages (a page is lost)"
             )
+        sharing.check_holders(self, counts)
         if counts != self._owner_pages:
             raise PoolInvariantError(f"per-owner counts {dict(self._owner_pages)} != owner table {dict(counts)}")
         for owner, used in self._owner_used.items():
@@ -539,6 +564,10 @@ def _set_used_bytes(pool: BlockPool, owner: str, nbytes: int) -> None:
 
 
 def debug_state(pool: BlockPool) -> tuple[tuple[int, ...], tuple[str | None, ...]]:
-    """The free stack and the owner table, for snapshot comparisons in tests."""
+    """The free stack and the owner table (a shared page's entry: the tuple of its holders), for snapshot
+    comparisons in tests."""
     with pool.lock:
-        return tuple(pool._free), tuple(pool._owner_of)
+        owners: list = list(pool._owner_of)
+        for p, holders in pool._shared.items():
+            owners[p] = tuple(holders)
+        return tuple(pool._free), tuple(owners)

@@ -22,6 +22,7 @@ import warnings
 
 import torch
 
+import pagedqvg.cache.shared_packing as shared_packing
 from pagedqvg.allocator import BlockPool, RangeEntry
 from pagedqvg.allocator.pool import exhausted_error, set_used_bytes
 from pagedqvg.cache.policy import layer_tier_targets, pressure_candidates, sink_segment_starts
@@ -91,8 +92,15 @@ class ChunkPacker:
         message starts with `name`) when nothing does. Changes nothing. O(segments) plus the packs' quantization."""
         pool, layout = self.pool, self.layout
         need = layout.pages_for_tokens(plan.new_tokens) if plan.new_tokens else 0
-        need += sum(layout.pages_for_tokens(x.end - x.start) - len(x.value.pages) for x in unpack)
-        freed = sum(len(x.value.pages) for x in plan.released)
+        need += sum(layout.pages_for_tokens(x.end - x.start) - pool.freeable(x.value.pages) for x in unpack)
+        freed = sum(pool.freeable(x.value.pages) for x in plan.released)  # pages a fork shares stay held
+        G = self.seq.state.global_end
+        copies = 0
+        if pool.shared_pages_of(self.owner):  # the write's copy-on-write (cache/fork.py) needs pages too
+            cow = shared_packing.shared_pages_in(pool, self.seq.index, layout.tokens_per_page, plan.start,
+                                                 min(plan.end, G), plan.released)  # fmt: skip
+            copies = sum(len(slots) for _, slots in cow)
+            need += copies
         deficit = need - (pool.num_free_pages + freed)
         if deficit <= 0:
             return []
@@ -100,8 +108,9 @@ class ChunkPacker:
             pressure = self.pressure_plan(deficit, plan, unpack)
             if pressure:
                 return pressure
-        G = self.seq.state.global_end
         what = f"appending {plan.new_tokens} tokens at {G}" if plan.new_tokens else ""
+        if copies:
+            what += f"; copy-on-write of {copies} page(s) a fork shares"
         if unpack:
             chunks = ", ".join(f"[{x.start}, {x.end})" for x in unpack)
             what += ("; " if what else "") + f"unpacking packed chunk(s) {chunks} for the rewrite at {plan.start}"
@@ -138,7 +147,7 @@ class ChunkPacker:
     def net_pages(self, entry: RangeEntry[Segment], fmt: str | None = None) -> int:
         """Pages a segment gives back when packed in format `fmt` (default: the history's; negative: packing needs
         more)."""
-        return len(entry.value.pages) - self.target(fmt).pages_for_tokens(entry.end - entry.start)
+        return self.pool.freeable(entry.value.pages) - self.target(fmt).pages_for_tokens(entry.end - entry.start)
 
     def target(self, fmt: str | None) -> TierStore:
         """The store of format `fmt` (None: the history's)."""
@@ -164,7 +173,8 @@ class ChunkPacker:
         """The packed chunks a rewrite touches, each with its dequantized rows (temporaries; nothing changes), in the
         order `unpack` must run: those that give pages back (packed form bigger than dense, e.g. tiny chunks) first,
         so the pages counted free are free when each later unpack takes its own."""
-        order = sorted(unpack, key=lambda x: self.layout.pages_for_tokens(x.end - x.start) - len(x.value.pages))
+        pool, layout = self.pool, self.layout
+        order = sorted(unpack, key=lambda x: layout.pages_for_tokens(x.end - x.start) - pool.freeable(x.value.pages))
         return [(x, self.io.dequantize_segment(x)) for x in order]
 
     def unpack(self, entry: RangeEntry[Segment], dense: torch.Tensor) -> None:
@@ -197,6 +207,8 @@ class ChunkPacker:
         can fail happens before the first page changes hands."""
         store = self.target(fmt)
         assert not entry.value.packed or store is not self.store_of(entry.value)
+        if shared_packing.adopt(self.pool, self.owner, entry, store.name):  # a fork packed this chunk already
+            return True
         if self.net_pages(entry, fmt) + self.pool.num_free_pages < 0:
             self.deferred_for_room += 1  # the policy retries at the next advance
             return False
@@ -218,7 +230,11 @@ class ChunkPacker:
                 stacklevel=4,
             )
             return False
+        source = tuple(entry.value.pages)
+        shared = self.pool.freeable(source) < len(source)  # a fork holds these pages too: it may adopt the result
         self.store_packed(entry, quantized, fmt)
+        if shared:
+            shared_packing.remember(self.pool, self.seq, entry, source, store.name)
         return True
 
     def format_of(self, seg: Segment) -> str:

@@ -28,6 +28,7 @@ from pagedqvg.cache.args import (
     recent_window,
     removed_keywords_error,
 )
+from pagedqvg.cache.fork import fork_cache, unshare_rows
 from pagedqvg.cache.head_groups import update_and_attend_heads
 from pagedqvg.cache.packing import ChunkPacker
 from pagedqvg.cache.readout import CacheReadout, readout_method, readout_property
@@ -261,10 +262,9 @@ class PagedCausalKVCache:
 
     # ------------------------------------------------------------ checks
     def _ensure_open(self, what: str) -> None:
-        if self._closed:
-            raise CacheClosedError(
-                f"{self.debug_name}: {what} after close(); its pages are back in the pool — make a new cache"
-            )
+        if self._closed:  # True, or a str: why it is out of service (serving/host_tier.py's swap-out)
+            why = "after close(); its pages are back in the pool — make a new cache"
+            raise CacheClosedError(f"{self.debug_name}: {what} " + (self._closed if self._closed is not True else why))
 
     # ------------------------------------------------------------ pages and views (page_io.PageIO)
     def _structure_changed(self) -> None:
@@ -407,7 +407,7 @@ class PagedCausalKVCache:
         r = recent_window(name, recent_window_tokens)
         fast_key = ("call", s, n, h0, hin, r)
         fast = self._io.cached(fast_key)
-        if isinstance(fast, RepeatedCall):  # the same in-place rewrite as before (a later denoise step)
+        if isinstance(fast, RepeatedCall) and not unshare_rows(self, s, s + n):  # the same in-place rewrite again
             self._io.write(fast.write_plan, h0, key, value)
             self._readout.last_view_ranges = fast.ranges
             return fast.view_plan, h0, hin, fast.local_start, fast.local_end
@@ -421,6 +421,7 @@ class PagedCausalKVCache:
             self._begin_transaction()
             self._commit(plan, unpack, hin)
             self._rewritten(touched, s, plan.end, hin)
+        unshare_rows(self, s, plan.end)  # copy-on-write of pages a fork shares (cache/fork.py)
         write_plan = self._io.write_plan(self._seq.index, s, plan.end, h0, hin)
         self._io.write(write_plan, h0, key, value)
         if not structural:  # a failed in-place write leaves the flags (the targeted rows may be old or new)
@@ -536,6 +537,8 @@ class PagedCausalKVCache:
         self._structure_changed()
         self._packer.report_used()
         self._on_cursors_changed(self._seq.state.global_end, self._seq.state.local_end)
+
+    fork = fork_cache  # fork(name=None): a copy-on-write branch sharing every page (cache/fork.py)
 
     @holding_pool_lock
     def close(self) -> None:

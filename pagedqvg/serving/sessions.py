@@ -31,6 +31,7 @@ from dataclasses import dataclass
 
 import torch
 
+import pagedqvg.serving.host_tier as host_tier
 from pagedqvg.allocator import BlockPool
 from pagedqvg.errors import CacheConfigError, SessionRefusedError
 from pagedqvg.quant import QuantConfig
@@ -179,6 +180,10 @@ class _Record:
     planned_pages: int
     ref: weakref.ref
     last_used: float
+    #: a fork's record: its plan counts only the pages it holds alone (the shared ones are its parent's)
+    forked: bool = False
+    #: swapped out to the host pool: it reserves nothing on the device until `swap_in`
+    swapped: bool = False
 
 
 class SessionManager:
@@ -191,6 +196,8 @@ class SessionManager:
         clock: seconds, monotonic (default `time.monotonic`; tests pass a fake clock).
         cache_factory: builds a cache from `(pool=..., name=..., device=..., **SessionSpec.layer_kwargs())`
             (default `PagedCausalKVCache`).
+        host_pool: a second `BlockPool` (e.g. on "cpu", same page size) for `swap_out` / `swap_in` (None: no host
+            tier).
     """
 
     def __init__(
@@ -200,6 +207,7 @@ class SessionManager:
         idle_timeout_s: float | None = None,
         clock: Callable[[], float] = time.monotonic,
         cache_factory: CacheFactory | None = None,
+        host_pool: BlockPool | None = None,
     ) -> None:
         if not isinstance(pool, BlockPool):
             raise CacheConfigError(f"pool must be a pagedqvg.BlockPool, got {type(pool).__name__}")
@@ -209,6 +217,11 @@ class SessionManager:
         self.idle_timeout_s = idle_timeout_s
         self.clock = clock
         self._factory = cache_factory
+        if host_pool is not None and (not isinstance(host_pool, BlockPool) or host_pool.page_bytes != pool.page_bytes):
+            raise CacheConfigError(
+                f"host_pool must be a BlockPool with the device pool's {pool.page_bytes} B pages, got {host_pool!r}"
+            )
+        self.host_pool = host_pool
         self._open: dict[int, _Record] = {}
         self._serial = 0
         self._plans: dict[SessionSpec, int] = {}
@@ -233,10 +246,14 @@ class SessionManager:
         """Pages open sessions may still take (planned peak minus pages held now, at least 0). O(caches)."""
         pool = self.pool
         with pool.lock:
-            return sum(
-                max(0, r.planned_pages - sum(pool.pages_of(c.owner) for cs in r.caches for c in cs))
-                for r in self._open.values()
-            )
+            return sum(max(0, r.planned_pages - self._held(r)) for r in self._open.values() if not r.swapped)
+
+    def _held(self, record: _Record) -> int:
+        """Pages a record's caches hold toward its plan: all of them, or for a fork those it holds alone."""
+        pool = self.pool
+        caches = [c for cs in record.caches for c in cs]
+        held = sum(pool.pages_of(c.owner) for c in caches)
+        return held - sum(pool.shared_pages_of(c.owner) for c in caches) if record.forked else held
 
     def open(self, spec: SessionSpec, *, name: str | None = None, wait_s: float = 0.0) -> Session:
         """Admit and build one session's caches, or raise SessionRefusedError (nothing allocated) when its planned
@@ -281,6 +298,103 @@ class SessionManager:
             session = Session(self, sid, name or f"session{sid}", caches, planned_pages)
             self._open[sid] = _Record(caches, planned_pages, weakref.ref(session), self.clock())
             return session
+
+    def fork(
+        self, session: Session, *, name: str | None = None, divergence_pages: int | None = None, wait_s: float = 0.0
+    ) -> Session:
+        """A new session whose caches are copy-on-write forks of `session`'s (every layer of every cache set, e.g.
+        both CFG sets; `PagedCausalKVCache.fork`): 0 bytes copied, its pages shared until either side writes them.
+
+        It is admitted with a reservation for its divergence: `divergence_pages` pages (default and minimum: the
+        pages of every cache's current chunk, which its next rewrite copies), counted against the pages the fork
+        holds alone, so what it copies or appends draws from its own reservation. SessionRefusedError (nothing
+        changed) when the reservation does not fit, after reclaiming and waiting up to `wait_s` seconds;
+        CacheConfigError for a closed session or a bad count. O(pages of the session)."""
+        if session.manager is not self or session.closed or self._open[session.id].swapped:
+            raise CacheConfigError(f"fork: {session.name} is not an open session of this manager on the device")
+        if divergence_pages is not None:
+            check_int("fork: divergence_pages", divergence_pages, minimum=0, error=CacheConfigError)
+        deadline = time.monotonic() + wait_s
+        with self._changed:
+            while True:
+                self.reclaim()
+                need = max(divergence_pages or 0, _current_chunk_pages(session.caches))
+                available = self.available_pages()
+                if need <= available:
+                    break
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    self.refusals += 1
+                    raise SessionRefusedError(
+                        f"fork of {session.name}: its divergence needs {need} pages, but only {available} are "
+                        f"available ({self.pool.num_free_pages} of {self.pool.num_pages} free, "
+                        f"{self.reserved_pages()} reserved); close sessions, wait (wait_s), or plan less divergence",
+                        needed_pages=need, available_pages=available, free_pages=self.pool.num_free_pages,
+                        reserved_pages=self.reserved_pages(),
+                    )  # fmt: skip
+                self._changed.wait(left)
+            self._serial += 1
+            sid = self._serial
+            label = name or f"{session.name}.fork{sid}"
+            caches = [[c.fork(name=f"{label}.set{s}.layer{i}") for i, c in enumerate(cs)]
+                      for s, cs in enumerate(session.caches)]  # fmt: skip
+            child = Session(self, sid, label, caches, need)
+            self._open[sid] = _Record(caches, need, weakref.ref(child), self.clock(), forked=True)
+            return child
+
+    # ---------------------------------------------------------------- the host tier (serving/host_tier.py)
+    def swap_out(self, session: Session) -> int:
+        """Move every page of an open session into `host_pool` and give its device pages back (its caches refuse
+        calls until `swap_in`; it reserves nothing meanwhile). Returns the pages moved. PoolExhaustedError when the
+        host pool has no room, CacheConfigError without a host pool or for a session not open here or swapped out
+        already: the session stays where it was. O(pages of the session)."""
+        record = self._tier_record(session, "swap_out", swapped=False)
+        assert self.host_pool is not None
+        with self._changed, self.host_pool.lock:
+            moved = host_tier.swap_out_caches(self.pool, self.host_pool, [c for cs in record.caches for c in cs])
+            record.swapped = True
+            self._changed.notify_all()
+        return moved
+
+    def swap_in(self, session: Session, *, wait_s: float = 0.0) -> int:
+        """Bring a swapped-out session back into any free device pages (views bit-equal to before the swap), once
+        its planned peak (at least the pages it brings) fits what open sessions leave, waiting up to `wait_s`
+        seconds for closes; returns the pages moved. SessionRefusedError (the session stays on the host) otherwise.
+        O(pages of the session)."""
+        record = self._tier_record(session, "swap_in", swapped=True)
+        caches = [c for cs in record.caches for c in cs]
+        need = max(record.planned_pages, sum(len(p) for p in host_tier.session_pages(caches)))
+        deadline = time.monotonic() + wait_s
+        assert self.host_pool is not None
+        with self._changed:
+            while (available := self.available_pages()) < need:
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    self.refusals += 1
+                    raise SessionRefusedError(
+                        f"swap_in of {session.name}: needs {need} pages, but only {available} are available "
+                        f"({self.pool.num_free_pages} of {self.pool.num_pages} free, {self.reserved_pages()} "
+                        f"reserved); close or swap out sessions, or wait (wait_s)",
+                        needed_pages=need, available_pages=available, free_pages=self.pool.num_free_pages,
+                        reserved_pages=self.reserved_pages(),
+                    )  # fmt: skip
+                self._changed.wait(left)
+            with self.host_pool.lock:
+                moved = host_tier.swap_in_caches(self.pool, self.host_pool, caches)
+            record.swapped = False
+            record.last_used = self.clock()
+        return moved
+
+    def _tier_record(self, session: Session, what: str, *, swapped: bool) -> _Record:
+        """The record of an open session of this manager in the given swap state; CacheConfigError otherwise."""
+        if self.host_pool is None:
+            raise CacheConfigError(f"{what}: this SessionManager has no host_pool (give one to use the host tier)")
+        record = self._open.get(session.id) if session.manager is self else None
+        if record is None or record.swapped != swapped:
+            state = "not an open session of this manager" if record is None else (
+                "swapped out already" if record.swapped else "not swapped out")  # fmt: skip
+            raise CacheConfigError(f"{what}: {session.name} is {state}")
+        return record
 
     def _refusal(self, spec: SessionSpec, need: int, available: int) -> SessionRefusedError:
         pool = self.pool
@@ -337,6 +451,13 @@ class SessionManager:
             if record is None:
                 return
             for cache in (c for cs in record.caches for c in cs):
+                if record.swapped:  # its segments list host pages: those go back, the cache is emptied
+                    assert self.host_pool is not None
+                    self.host_pool.release_owner(cache.owner)
+                    cache._seq.reset()
+                    cache._structure_changed()
+                    cache._closed = True
+                    continue
                 cache.close()
             self._changed.notify_all()
 
@@ -364,3 +485,15 @@ class SessionManager:
     @property
     def open_sessions(self) -> int:
         return len(self._open)
+
+
+def _current_chunk_pages(caches: list[list]) -> int:
+    """Pages of every cache's current chunk (the segments holding tokens from its start to the end): what the first
+    rewrite of a fork copies. O(caches x segments of the chunk)."""
+    total = 0
+    for cache in (c for cs in caches for c in cs):
+        seq = cache._seq
+        start, end = seq.current_chunk_start(), seq.state.global_end
+        if end > start:
+            total += sum(len(e.value.pages) for e in seq.index.overlapping(start, end))
+    return total
