@@ -76,11 +76,9 @@ class PagedCausalKVCache:
             attention window with it if it was the whole cache) instead of rolling (default False).
         use_int_indices: keep the cursors as host ints `global_end_index_int` / `local_end_index_int` (no device
             work per call; the tensors are never written) instead of the tensors (default False).
-        global_end_index, local_end_index: 1-element int64 tensors (starting at 0) to use as the cursors; default:
-            new ones. They must be two different tensors.
+        global_end_index, local_end_index: 1-element int64 tensors (at 0), two different ones (default: new).
         quant: a `QuantConfig` to pack completed chunks with PRQ (2 or 4 bits); None or bits=None: exact bf16.
-        name: this layer's label: the pool owner's prefix and the first word of every error message
-            (default "layer").
+        name: this layer's label (the pool owner's prefix, the first word of every error; default "layer").
         reuse_view_buffer: build every view into one per-pool scratch buffer instead of a fresh tensor (a repeated
             call of a view of dense rows then allocates nothing; without it exactly its view); such a view is valid
             only until the next call on any cache of the pool (default False).
@@ -89,8 +87,7 @@ class PagedCausalKVCache:
             (default False).
 
     Attributes:
-        pool, batch_size, head_dim, dtype, device, quant, reuse_view_buffer, pack_under_pressure: as given
-            (`device` is the pool's).
+        pool, batch_size, head_dim, dtype, device (the pool's), quant, reuse_view_buffer, pack_under_pressure: as given.
         debug_name: `name`; owner: this layer's owner id in the pool.
         layout: the page layout of bf16 rows (`pagedqvg.layout.segments.DenseTokenLayout`).
         pack_skipped: chunks the pack policy left unpacked (non-finite values, or packing failed).
