@@ -18,7 +18,7 @@ if [[ -z "${PYTHON:-}" ]]; then
 fi
 export PAGEDQVG_KERNELS=triton
 export TRITON_INTERPRET=1
-export PAGEDQVG_KERNEL_CHECKS=1
+export PAGEDQVG_DEBUG=1
 export PAGEDQVG_FUZZ_PROFILE="${PAGEDQVG_FUZZ_PROFILE:-interp}"
 
 shopt -s nullglob
