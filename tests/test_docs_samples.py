@@ -96,7 +96,8 @@ mod = types.ModuleType("sglang.multimodal_gen.runtime.platforms.plugins")
 mod.HookType = types.SimpleNamespace(AROUND="around", BEFORE="before", AFTER="after")
 mod.plugin_hook = lambda target, kind: (lambda fn: fn)
 sys.modules[mod.__name__] = mod
-plugin._check_sglang_version = lambda: None  # SGLang itself is not installed here
+from pagedqvg.integrations.sglang.versions import CURRENT, targets_for
+plugin._check_sglang_version = lambda: targets_for(CURRENT)  # SGLang itself is not installed here: its table
 plugin.register()
 """
 
