@@ -293,6 +293,28 @@ def read_slots(cache: PagedCausalKVCache, what: str) -> torch.Tensor:
     return cache._read_slots(what)
 
 
+def sequencer(cache: PagedCausalKVCache) -> Any:
+    """The cache's `Sequencer` (spec, cursors, pin, slot map, segment index)."""
+    return cache._seq
+
+
+def free_page_ids(pool: Any) -> list[int]:
+    """The pool's free page ids (its free stack)."""
+    return list(pool._free)
+
+
+def corrupt_holders(pool: Any, page: int, extra_holder: str | None = None, owner_shared: tuple[str, int] | None = None,
+                    undo: bool = False) -> None:  # fmt: skip
+    """For `check()` tests: append `extra_holder` to `page`'s holder list (or pop it with `undo`), or add
+    `owner_shared[1]` to `owner_shared[0]`'s shared-page count."""
+    if extra_holder is not None:
+        pool._shared[page].append(extra_holder)
+    if undo:
+        pool._shared[page].pop()
+    if owner_shared is not None:
+        pool._owner_shared[owner_shared[0]] += owner_shared[1]
+
+
 def deferred_owners(pool: Any) -> int:
     """Owners queued by finalizers, whose pages go back at the pool's next operation."""
     return len(pool._deferred)

@@ -8,6 +8,7 @@ from dataclasses import replace
 
 import pytest
 import torch
+from helpers import corrupt_holders
 from hypothesis import settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
@@ -157,11 +158,11 @@ def test_check_catches_a_corrupted_holder_table():
     pool = _pool()
     pool.alloc(2, "a")
     pool.share([0], "b")
-    pool._shared[0].append("b")
+    corrupt_holders(pool, 0, extra_holder="b")
     with pytest.raises(PoolInvariantError, match="holder list"):
         pool.check()
-    pool._shared[0].pop()
-    pool._owner_shared["a"] += 1
+    corrupt_holders(pool, 0, undo=True)
+    corrupt_holders(pool, 0, owner_shared=("a", 1))
     with pytest.raises(PoolInvariantError, match="shared counts"):
         pool.check()
 

@@ -11,7 +11,7 @@ import itertools
 import pytest
 import torch
 from dense_reference import DenseReferenceCache
-from helpers import cache_state, same
+from helpers import cache_state, cached_plans, page_io, same, sequencer
 
 from pagedqvg import BlockPool, PagedCausalKVCache, PoolExhaustedError
 from pagedqvg.errors import CacheClosedError, CacheConfigError, SessionRefusedError
@@ -50,7 +50,7 @@ def write(cache, ref, s, n, seed, h0=None, heads=H):
 
 
 def pages(cache):
-    return [p for e in cache._seq.index for p in e.value.pages]
+    return [p for e in sequencer(cache).index for p in e.value.pages]
 
 
 def test_fork_at_a_chunk_boundary_copies_nothing_and_advances_copy_nothing():
@@ -99,9 +99,9 @@ def test_fork_drops_cached_plans_in_both_branches_between_two_identical_rewrites
     a, ra = make(pool), ref_of()
     write(a, ra, 0, 4, 1)
     write(a, ra, 0, 4, 2)  # a rewrite: its plans are cached for the next identical call
-    assert a._io._plans
+    assert cached_plans(page_io(a))
     b = a.fork()
-    assert not a._io._plans and not b._io._plans
+    assert not cached_plans(page_io(a)) and not cached_plans(page_io(b))
     rb = copy.deepcopy(ra)
     write(a, ra, 0, 4, 3)  # the same call again: re-planned, copies page 0
     write(a, ra, 0, 4, 4)  # and now the fast path again, on its own page
@@ -170,7 +170,7 @@ def test_fork_of_a_packed_cache_shares_packed_chunks_and_rewrites_unpack_into_ne
         k, v = kv(n, seed)
         for c in (a, twin):
             c.update_and_get_attention_kv(key=k, value=v, current_chunk_start=s)
-    assert [e.value.packed for e in a._seq.index] == [True, True, False]
+    assert [e.value.packed for e in sequencer(a).index] == [True, True, False]
     b = a.fork()
     assert pool.stats().shared_pages == len(pages(a)) == pool.stats().used_pages
     k, v = kv(4, 4)
@@ -178,7 +178,7 @@ def test_fork_of_a_packed_cache_shares_packed_chunks_and_rewrites_unpack_into_ne
     vt = twin.update_and_get_attention_kv(key=k, value=v, current_chunk_start=4)
     assert torch.equal(vb.k, vt.k) and torch.equal(vb.v, vt.v)
     assert b.memory_breakdown() == twin.memory_breakdown()
-    assert a._seq.index.find(4).value.packed and not b._seq.index.find(4).value.packed
+    assert sequencer(a).index.find(4).value.packed and not sequencer(b).index.find(4).value.packed
     k, v = kv(4, 5)
     va = a.update_and_get_attention_kv(key=k, value=v, current_chunk_start=12)
     twin_a = make(BlockPool(capacity_bytes=64 * 512, page_bytes=512), quant=q)
@@ -187,7 +187,7 @@ def test_fork_of_a_packed_cache_shares_packed_chunks_and_rewrites_unpack_into_ne
         tv = twin_a.update_and_get_attention_kv(key=k, value=v, current_chunk_start=s)
     assert torch.equal(va.k, tv.k) and torch.equal(va.v, tv.v)
     b.rewind_to(2)  # into the shared packed chunk [0, 4): b trims its hold only
-    assert a._seq.index.find(0).value.packed and pool.holders(pages(a)[0]) == (a.owner, b.owner)
+    assert sequencer(a).index.find(0).value.packed and pool.holders(pages(a)[0]) == (a.owner, b.owner)
     pool.check()
 
 
@@ -281,7 +281,7 @@ def test_packing_a_shared_chunk_happens_once_and_the_other_branch_adopts_it():
         want = twin.update_and_get_attention_kv(key=k2, value=v2, current_chunk_start=4)
         assert torch.equal(got.k, want.k) and torch.equal(got.v, want.v)
         assert cache.memory_breakdown() == twin.memory_breakdown()
-    packed_a, packed_b = a._seq.index.find(0).value, b._seq.index.find(0).value
+    packed_a, packed_b = sequencer(a).index.find(0).value, sequencer(b).index.find(0).value
     assert packed_a.packed and packed_b.packed and packed_a is not packed_b
     assert packed_a.pages == packed_b.pages  # the same pages: packed once, held by both
     assert all(pool.holders(p) == (a.owner, b.owner) for p in packed_a.pages)
@@ -315,5 +315,5 @@ def test_a_rewrite_of_the_source_after_the_other_branch_packed_is_packed_again()
     got = b.update_and_get_attention_kv(key=k, value=v, current_chunk_start=4)
     want = twin.update_and_get_attention_kv(key=k, value=v, current_chunk_start=4)
     assert torch.equal(got.k, want.k) and torch.equal(got.v, want.v)
-    assert b._seq.index.find(0).value.pages != a._seq.index.find(0).value.pages  # b packed its own
+    assert sequencer(b).index.find(0).value.pages != sequencer(a).index.find(0).value.pages  # b packed its own
     pool.check()

@@ -23,7 +23,7 @@ from collections import Counter
 
 import torch
 from dense_reference import DenseReferenceCache
-from helpers import head_args, itemsize, make_kv, note, recent, same_error_kind, seeds
+from helpers import head_args, itemsize, make_kv, note, recent, same_error_kind, seeds, sequencer
 from hypothesis import event, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
@@ -132,10 +132,10 @@ class ForkMachine(RuleBasedStateMachine):
     # ---------------------------------------------------------------- checked calls
     def snapshot(self):
         segs = [
-            [(e.start, e.end, tuple(e.value.pages), str(e.value.kind)) for e in b.cache._seq.index]
+            [(e.start, e.end, tuple(e.value.pages), str(e.value.kind)) for e in sequencer(b.cache).index]
             for b in self.branches
         ]
-        cursors = [(b.cache._seq.state, b.cache.cache_size) for b in self.branches]
+        cursors = [(sequencer(b.cache).state, b.cache.cache_size) for b in self.branches]
         return self.pool.stats(), debug_state(self.pool), segs, cursors
 
     def call(self, b: Branch, op):
@@ -183,10 +183,10 @@ class ForkMachine(RuleBasedStateMachine):
         """Hypothesis events: which shared-page situations a program reached."""
         if not self.pool.shared_pages_of(b.cache.owner):
             return
-        shared = {p for e in b.cache._seq.index for p in e.value.pages if len(self.pool.holders(p)) > 1}
+        shared = {p for e in sequencer(b.cache).index for p in e.value.pages if len(self.pool.holders(p)) > 1}
         if op[0] == "w":
             s, n = op[3], op[1].shape[1]
-            hit = [e for e in b.cache._seq.index.overlapping(s, s + n) if set(e.value.pages) & shared]
+            hit = [e for e in sequencer(b.cache).index.overlapping(s, s + n) if set(e.value.pages) & shared]
             if hit:
                 packed = any(e.value.packed for e in hit)
                 event(f"write into a shared {'packed' if packed else 'dense'} segment")
@@ -195,7 +195,7 @@ class ForkMachine(RuleBasedStateMachine):
                 if self.squeeze:
                     event("write into a shared segment on a squeezed pool")
         elif op[0] == "rewind_to" and op[1] < self.G(b):
-            hit = [e for e in b.cache._seq.index.overlapping(op[1], self.G(b)) if set(e.value.pages) & shared]
+            hit = [e for e in sequencer(b.cache).index.overlapping(op[1], self.G(b)) if set(e.value.pages) & shared]
             if any(e.value.packed for e in hit):
                 event("rewind into a shared packed segment")
             elif hit:
@@ -211,10 +211,10 @@ class ForkMachine(RuleBasedStateMachine):
         return out
 
     def G(self, b):
-        return b.cache._seq.state.global_end
+        return sequencer(b.cache).state.global_end
 
     def L(self, b):
-        return b.cache._seq.state.local_end
+        return sequencer(b.cache).state.local_end
 
     # ---------------------------------------------------------------- rules
     branch = st.integers(0, MAX_BRANCHES - 1)
@@ -235,8 +235,8 @@ class ForkMachine(RuleBasedStateMachine):
     @rule(i=branch)
     def close(self, i):
         b = self.branches.pop(i % len(self.branches))
-        mine = set(p for e in b.cache._seq.index for p in e.value.pages)
-        others = set(p for o in self.branches for e in o.cache._seq.index for p in e.value.pages)
+        mine = set(p for e in sequencer(b.cache).index for p in e.value.pages)
+        others = set(p for o in self.branches for e in sequencer(o.cache).index for p in e.value.pages)
         free_before = self.pool.num_free_pages
         b.cache.close()
         assert self.pool.num_free_pages == free_before + len(mine - others)  # exactly the pages nobody else holds
@@ -290,7 +290,7 @@ class ForkMachine(RuleBasedStateMachine):
         """Fork, then rewind into or rewrite (head-sliced or not) a retained packed chunk of one side."""
         b = self.pick(i)
         G, L = self.G(b), self.L(b)
-        packed = [e for e in b.cache._seq.index if e.value.packed and e.start >= G - L]
+        packed = [e for e in sequencer(b.cache).index if e.value.packed and e.start >= G - L]
         if not packed:
             return
         if len(self.branches) < MAX_BRANCHES:
@@ -328,7 +328,8 @@ class ForkMachine(RuleBasedStateMachine):
         for k, side in enumerate((b, self.branches[-1])):
             self.write(side, self.G(side), n, self.cfg["H"], None, None, seed + (0 if same else k))
         if self.QUANT:
-            shared = [e for e in b.cache._seq.index if e.value.packed and len(self.pool.holders(e.value.pages[0])) > 1]
+            index = sequencer(b.cache).index
+            shared = [e for e in index if e.value.packed and len(self.pool.holders(e.value.pages[0])) > 1]
             if shared:
                 event("a packed chunk shared by two branches after both advanced")
 
@@ -378,7 +379,7 @@ class ForkMachine(RuleBasedStateMachine):
         self.pool.check()
         holders: dict[int, Counter] = {}
         for b in self.branches:
-            pages = [p for e in b.cache._seq.index for p in e.value.pages]
+            pages = [p for e in sequencer(b.cache).index for p in e.value.pages]
             assert len(pages) == len(set(pages)), "a branch lists a page twice"
             assert self.pool.pages_of(b.cache.owner) == len(pages), "a branch holds pages its segments do not list"
             for p in pages:

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from helpers import chunk_packer, sequencer
 
 from pagedqvg import BlockPool, PagedCausalKVCache, QuantConfig
 from pagedqvg.errors import PagedQVGError
@@ -116,7 +117,7 @@ def test_bytes_per_segment_from_the_registry_equal_the_layouts_and_the_cache(nam
     cache = _cache(quant)
     _fill(cache, 6)
     mb = cache.memory_breakdown()
-    segs = [e for e in cache._seq.index if (e.value.fmt if e.value.packed else "bf16") == name]
+    segs = [e for e in sequencer(cache).index if (e.value.fmt if e.value.packed else "bf16") == name]
     assert segs and all(e.end - e.start == N for e in segs)
     if quant is None:  # a dense cache: every retained token in bf16
         assert mb["used_bytes"] == mb["dense_tokens"] // N * HAND_BYTES["bf16"] and mb["packed_tokens"] == 0
@@ -124,8 +125,8 @@ def test_bytes_per_segment_from_the_registry_equal_the_layouts_and_the_cache(nam
         assert mb[f"{name}_tokens"] == len(segs) * N
         assert mb[f"{name}_bytes"] == len(segs) * HAND_BYTES[name]
         assert mb[f"{name}_pages"] == len(segs) * layout.pages_for_tokens(N)
-        assert isinstance(cache._packer.stores[name], STORE_CLASSES[get_format(name).codec])
-        assert type(cache._packer.stores[name]).__name__ == get_format(name).store
+        assert isinstance(chunk_packer(cache).stores[name], STORE_CLASSES[get_format(name).codec])
+        assert type(chunk_packer(cache).stores[name]).__name__ == get_format(name).store
     cache.close()
 
 

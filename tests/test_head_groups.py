@@ -11,7 +11,7 @@ import dataclasses
 
 import pytest
 import torch
-from helpers import cache_state, same
+from helpers import cache_state, cached_plans, free_page_ids, page_io, same
 from test_repeated_call import NewStorageCounter, no_host_reads
 
 from pagedqvg import BlockPool, PagedCausalKVCache, QuantConfig
@@ -132,7 +132,7 @@ def test_repeated_call_derives_nothing_reads_nothing_and_allocates_buffer_and_re
     cache, k, v, q = make_cache(quant, reuse=reuse)
     s = 4 * CHUNK
     first = call(cache, "heads", k, v, q, s, head_group_size=1)
-    entries = [p for p in cache._io._plans.values() if isinstance(p, GroupPlans)]
+    entries = [p for p in cached_plans(page_io(cache)).values() if isinstance(p, GroupPlans)]
     assert len(entries) == 1 and len(entries[0].plans) == H
     counter = NewStorageCounter()
     paused: list[list[str]] = []
@@ -152,7 +152,7 @@ def test_repeated_call_derives_nothing_reads_nothing_and_allocates_buffer_and_re
         assert len(paused) == H and all(ops for ops in paused)  # SDPA's output per group: set aside above
         counter.ops.clear()
     assert torch.equal(got, first)
-    assert [p for p in cache._io._plans.values() if isinstance(p, GroupPlans)] == entries  # the same entry
+    assert [p for p in cached_plans(page_io(cache)).values() if isinstance(p, GroupPlans)] == entries  # the same entry
     calls = no_host_reads(monkeypatch)
     again = call(cache, "heads", k, v, q, s, head_group_size=1)
     monkeypatch.undo()
@@ -168,7 +168,7 @@ def state(cache) -> tuple:
     a page it took and gave back: free pages hold nothing anyone reads)."""
     *rest, arena = cache_state(cache)
     pool = cache.pool
-    used = sorted(set(range(pool.num_pages)) - set(pool._free))
+    used = sorted(set(range(pool.num_pages)) - set(free_page_ids(pool)))
     return (*rest, used, arena.view(pool.num_pages, -1)[used].clone())
 
 
@@ -232,8 +232,8 @@ def test_group_plans_are_one_entry_whatever_the_group_count():
     k, v = k.bfloat16(), v.bfloat16()
     args = dict(key=k[:, :16], value=v[:, :16], current_chunk_start=0)
     cache.update_and_attend_heads(k[:, :16], **args, head_group_size=1)
-    plans = dict(cache._io._plans)
+    plans = dict(cached_plans(page_io(cache)))
     assert sum(isinstance(p, GroupPlans) for p in plans.values()) == 1
     cache.update_and_attend_heads(k[:, :16], **args, head_group_size=1)
-    assert all(cache._io._plans[key] is p for key, p in plans.items())  # nothing rebuilt, nothing evicted
+    assert all(cached_plans(page_io(cache))[key] is p for key, p in plans.items())  # nothing rebuilt, nothing evicted
     assert dataclasses.is_dataclass(next(p for p in plans.values() if isinstance(p, GroupPlans)))

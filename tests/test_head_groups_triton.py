@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from helpers import rerun_interpreted, triton_kernels  # sets TRITON_INTERPRET
+from helpers import cached_plans, page_io, rerun_interpreted, triton_kernels  # sets TRITON_INTERPRET
 from test_head_groups import CHUNK, call, make_cache
 
 from pagedqvg.attention.head_groups import GroupPlans
@@ -22,12 +22,12 @@ needs_kernels = pytest.mark.skipif(DEVICE is None or DEVICE.type != "cpu", reaso
 def test_heads_equal_view_mode_on_triton(monkeypatch, quant):
     monkeypatch.setenv("PAGEDQVG_KERNELS", "triton")
     cache, k, v, q = make_cache(quant, torch.float32)
-    assert cache._io.backend == "triton"
+    assert page_io(cache).backend == "triton"
     s = 4 * CHUNK
     for group in (1, 4):
         got = call(cache, "heads", k, v, q, s, head_group_size=group)
         assert torch.equal(got, call(cache, "view", k, v, q, s)), (quant, group)
-    entry = next(p for p in cache._io._plans.values() if isinstance(p, GroupPlans))
+    entry = next(p for p in cached_plans(page_io(cache)).values() if isinstance(p, GroupPlans))
     assert all(p is entry.plan for p in entry.plans)  # no per-group derivation: the whole-head plan itself
     got = call(cache, "heads", k, v, q, s, (1, 4), head_group_size=3)
     assert torch.equal(got, call(cache, "view", k, v, q, s, (1, 4)))

@@ -12,6 +12,7 @@ import time
 
 import pytest
 import torch
+from helpers import read_slots
 
 from pagedqvg import BlockPool, CacheClosedError, CacheConfigError, PoolExhaustedError, QuantConfig
 from pagedqvg.allocator.pool import debug_state
@@ -230,7 +231,7 @@ def test_adopt_tracks_caches_built_elsewhere():
 
 # ---------------------------------------------------------------------------------------------------- host tier
 def _readouts(session) -> list[torch.Tensor]:
-    return [c._read_slots("test") for cs in session.caches for c in cs]
+    return [read_slots(c, "test") for cs in session.caches for c in cs]
 
 
 @pytest.mark.parametrize("quant", [None, QUANT], ids=["quant_off", "quant_on"])
