@@ -9,9 +9,9 @@ reads it when it decorates kernels), so the Triton kernel tests run in Triton's 
 - The cache's and the pool's internals, reached ONLY through the small functions below (`segment_entries`,
   `segment_at`, `segment_kind`, `cursor`, `packed_store`, `tier_store`, `set_view_run_cap`, `wrap_pressure_plan`,
   `sink_segment_starts`, `cache_state`, `page_io`, `segment_index`, `sequencer_spec`, `chunk_packer`,
-  `cached_plans`, `newest_view_plan`, `read_slots`, `deferred_owners`, `owner_pages_now`): when the private state
-  moves, these are the one place the tests adapt (tests/test_architecture.py checks no other test file reads a
-  private attribute of a pagedqvg object).
+  `cached_plans`, `newest_view_plan`, `read_slots`, `sequencer`, `free_page_ids`, `corrupt_holders`,
+  `deferred_owners`, `owner_pages_now`): when the private state moves, these are the one place the tests adapt
+  (tests/test_private_access.py checks no other test file reads a private attribute of a pagedqvg object).
 - Where the Triton kernel tests run: `kernel_device` says why in-process kernel tests skip when triton was already
   imported in compiled mode without a GPU, and `rerun_interpreted` runs a test file again in a fresh interpreted
   process (kernels never pass silently); `compiled_mode_json` runs a compiled-mode check in a subprocess; bit
