@@ -1,13 +1,14 @@
 """SGLang 0.5.23's real LongLive2 transformer (tiny, seeded random weights, bf16 and fp32, CPU) through a causal DMD
 chunk loop (per chunk: denoising steps that rewrite the chunk's K/V, then a clean pass) over KV caches built by the real
-`CausalDMDDenoisingStage._allocate_causal_kv_cache`: SGLang's dense cache, and pagedqvg installed with
-attention `view` / `pages`, quantization off, int2 and compact (pages also with 16-token attention tiles, so that the
-window spans several and their log-sum-exp merge runs); for bf16 also SGLang's dense cache with its attention
-computed in
-fp32 (the noise floor of bf16 rounding here). Prints one JSON object per dtype: each run's relative L2 error of the
-final latents against the dense cache's run in that dtype, how many self-attention calls attended from pages, and
-for pagedqvg runs the allocation's session (sglang_sessions: the run is one request scope): its planned pages, the
-pool's high water during the run, and the pages in use after the request (0: the session closed at its end).
+`CausalDMDDenoisingStage._allocate_causal_kv_cache`: SGLang's dense cache, and pagedqvg installed with attention `view`
+/ `pages` / `heads` (heads: 1 head per group, 2 groups a call), quantization off, int2 and compact (pages also with
+16-token attention tiles, so that the window spans several and their log-sum-exp merge runs); for bf16 also SGLang's
+dense cache with its attention computed in fp32 (the noise floor of bf16 rounding here). Prints one JSON object per
+dtype: each run's relative L2 error of the final latents against the dense cache's run in that dtype, how many
+self-attention calls attended from pages, for mode heads whether its final latents equal mode view's (torch.equal) and
+how many calls took the per-group path, and for pagedqvg runs the allocation's session (sglang_sessions: the run is one
+request scope): its planned pages, the pool's high water during the run, and the pages in use after the request (0: the
+session closed at its end).
 
 Usage: python tests/sglang_longlive2_pages.py SGLANG_SRC   (SGLANG_SRC: a folder holding SGLang 0.5.23's `sglang`
 package, e.g. the wheel extracted without `sglang/__init__.py`, as .ci/sglang_suite.sh does; SGLang's heavy
@@ -22,6 +23,7 @@ import sys
 import types
 
 import torch
+from torch import Tensor
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 #: Model and loop: 2 layers x 2 heads x 64; 8x8 latents (16 tokens a frame), 2 frames a chunk, 6 chunks, a window of
@@ -30,6 +32,8 @@ HEADS, HEAD_DIM, LAYERS, CHANNELS, SIDE = 2, 64, 2, 4, 8
 FRAMES_PER_CHUNK, CHUNKS, WINDOW_FRAMES, SINK_FRAMES = 2, 6, 4, 1
 STEPS = (1000, 750, 500, 250)
 TOKENS_PER_FRAME = (SIDE // 2) ** 2
+#: Mode heads: 1 head per group, so that each self-attention call runs SGLang's forward over 2 groups (HEADS).
+HEAD_GROUP = 1
 INT2 = dict(
     enabled=True, bits=2, centroids=16, block_size=64, stages=1, kmeans_iters=2, asymmetric=False,
     keep_recent_chunks=1, sink=True, sink_keep_chunks=0,
@@ -134,24 +138,44 @@ def allocate(sgl, quant: dict | None, dtype: torch.dtype) -> list:
     )  # fmt: skip
 
 
-def run_installed(sgl, model, dense, dtype, mode: str, quant: dict | None, tile: int | None) -> dict:
+def run_installed(sgl, model, dense, dtype, mode: str, quant: dict | None, tile: int | None) -> tuple[dict, Tensor]:
     """One loop with pagedqvg installed (`mode`, `quant`; `tile`: attention tiles of that many tokens, so the
-    window spans several and their log-sum-exp merge runs): its error against `dense` and how many self-attention
-    calls attended from pages."""
+    window spans several and their log-sum-exp merge runs): its error against `dense`, how many self-attention
+    calls attended from pages and, for mode `heads` (`HEAD_GROUP` heads per group), how many went through the
+    per-group path (`attend_head_groups`) and how many group forwards SGLang's `LocalAttention` ran; and the final
+    latents."""
     from pagedqvg.attention import pages as attention
     from pagedqvg.integrations.sglang import attention as sglang_attention
+    from pagedqvg.integrations.sglang import head_groups
     from pagedqvg.integrations.sglang import integration as integ
     from pagedqvg.integrations.sglang import sessions as sglang_sessions
 
     integ.install(budget_bytes=64 << 20, attention=mode)
-    calls = {"pages": 0}
+    group_before = head_groups.set_head_group_size(HEAD_GROUP)
+    calls = {"pages": 0, "heads": 0, "head_groups": 0, "group_forwards": 0}
     original, tile_before = sglang_attention.PendingPages.attend, attention.ATTN_TILE_TOKENS
+    heads_before, groups_before = sglang_attention.heads_attention, head_groups.attend_head_groups
 
     def counted(self, query, scale):
         calls["pages"] += 1
         return original(self, query, scale)
 
+    def counted_heads(*args, **kwargs):  # every call of mode heads' wrapper (whole or by groups)
+        calls["heads"] += 1
+        return heads_before(*args, **kwargs)
+
+    def counted_groups(io, plan, h0, query, attend, group, buffer):  # the per-group path, and its group forwards
+        calls["head_groups"] += 1
+
+        def each(q, k, v):
+            calls["group_forwards"] += 1
+            return attend(q, k, v)
+
+        return groups_before(io, plan, h0, query, each, group, buffer)
+
     sglang_attention.PendingPages.attend = counted
+    sglang_attention.heads_attention = counted_heads
+    head_groups.attend_head_groups = counted_groups
     attention.ATTN_TILE_TOKENS = tile or tile_before
     try:
         with sglang_sessions.request_scope(None):  # one request, as the stage's forward hook makes it
@@ -165,10 +189,17 @@ def run_installed(sgl, model, dense, dtype, mode: str, quant: dict | None, tile:
         session["closed"] = caches.session.closed
     finally:
         sglang_attention.PendingPages.attend = original
+        sglang_attention.heads_attention = heads_before
+        head_groups.attend_head_groups = groups_before
         attention.ATTN_TILE_TOKENS = tile_before
+        head_groups.set_head_group_size(group_before)
         integ.uninstall()
-    return {"relative_l2": float((got - dense).norm() / dense.norm()), "attend_from_pages_calls": calls["pages"],
-            "session": session}  # fmt: skip
+    res = {"relative_l2": float((got - dense).norm() / dense.norm()), "attend_from_pages_calls": calls["pages"],
+           "session": session}  # fmt: skip
+    if mode == "heads":
+        res.update(heads_calls=calls["heads"], head_group_calls=calls["head_groups"],
+                   group_forwards=calls["group_forwards"], heads_per_group=HEAD_GROUP)  # fmt: skip
+    return res, got
 
 
 def run_fp32_attention(sgl, model, dense, dtype) -> dict:
@@ -203,9 +234,15 @@ def main(src: str) -> dict:
             dense = run_loop(sgl, model, allocate(sgl, None, dtype), dtype)  # SGLang's own cache (not installed)
             runs = [("view", "off", None, None), ("view", "int2", INT2, None), ("pages", "off", None, None),
                     ("pages", "int2", INT2, None), ("pages", "off-tile16", None, 16),
-                    ("pages", "compact", COMPACT, None)]
+                    ("pages", "compact", COMPACT, None), ("heads", "off", None, None),
+                    ("heads", "int2", INT2, None)]  # fmt: skip
+            latents = {}
             for mode, name, quant, tile in runs:
-                out[f"{mode}-{name}"] = run_installed(sgl, model, dense, dtype, mode, quant, tile)
+                out[f"{mode}-{name}"], latents[f"{mode}-{name}"] = run_installed(
+                    sgl, model, dense, dtype, mode, quant, tile
+                )
+            for name in ("off", "int2"):  # mode heads: the final latents bit for bit mode view's
+                out[f"heads-{name}"]["equal_to_view"] = torch.equal(latents[f"heads-{name}"], latents[f"view-{name}"])
             if dtype != torch.float32:
                 out["dense-fp32-attention"] = run_fp32_attention(sgl, model, dense, dtype)
     return results

@@ -172,7 +172,9 @@ def test_local_attention_wrapper_takes_pages_pairs_only():
 def test_real_longlive2_pages_matches_sglang_dense_cache():
     """tests/sglang_longlive2_pages.py, bf16 and fp32: quant off, mode pages within relative L2 2e-3 of SGLang's
     dense cache and at most 1/3 of the int2 run's error; mode view quant off equals it exactly; every self-attention
-    call of mode pages attended from pages; 16-token tiles as the comments below state."""
+    call of mode pages attended from pages; mode heads (1 head per group) gives final latents torch.equal to mode
+    view's (quant off and int2), and each of its 60 self-attention calls took the per-group path (2 group forwards
+    of SGLang's LocalAttention each, none from pages); 16-token tiles as the comments below state."""
     here = os.path.dirname(os.path.abspath(__file__))
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([os.path.dirname(here), *sys.path])}
     proc = subprocess.run(
@@ -193,6 +195,12 @@ def test_real_longlive2_pages_matches_sglang_dense_cache():
                 s = out["session"]
                 assert s["closed"] and s["pages_after_request"] == 0, (dtype, run, s)
                 assert 0 < s["high_water_pages"] <= s["planned_pages"], (dtype, run, s)
+        for run in ("heads-off", "heads-int2"):  # mode heads: mode view's samples bit for bit, every call by groups
+            h = runs[run]
+            assert h["equal_to_view"] is True, (dtype, run, h)
+            assert h["heads_calls"] == h["head_group_calls"] == 60, (dtype, run, h)
+            assert h["attend_from_pages_calls"] == 0, (dtype, run, h)
+            assert h["heads_per_group"] == 1 and h["group_forwards"] == 120, (dtype, run, h)  # 2 heads: 2 groups a call
     # 16-token tiles (the log-sum-exp merge runs, tile outputs kept in fp32): fp32 within both bounds; bf16 within
     # 1.5x the noise floor of bf16 here (SGLang's dense cache with fp32 attention; measured 4.01e-3 vs 3.93e-3),
     # of which int2's error is itself of the order.
