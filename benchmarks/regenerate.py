@@ -201,6 +201,11 @@ BENCHMARKS: tuple[Benchmark, ...] = (
                            "--rounds", "4" if a.quick else "16")],
     ),
     Benchmark(
+        "forks",
+        "fork time, bytes copied, 8 branches vs 8 sessions, host-tier swap (bench_forks.py)",
+        lambda a: [_script("bench_forks.py", *_quick(a, "--quick"))],
+    ),
+    Benchmark(
         "kernels_cuda",
         "Triton kernels on a GPU (bench_kernels_cuda.py)",
         lambda _a: [_script("bench_kernels_cuda.py")],
