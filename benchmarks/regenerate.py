@@ -103,6 +103,12 @@ def _cuda_missing(_args: argparse.Namespace) -> str:
     return "" if torch.cuda.is_available() else "no CUDA device on this machine"
 
 
+#: bench_forks.py's shapes: the committed JSON's (1 layer x 2 heads of LingBot-World, 4 chunks; ~6 min on 2 cores).
+_FORKS_FULL = ("--layers", "1", "--heads", "2", "--chunks", "4", "--repeats", "3", "--json",
+               str(BENCH / "results" / "bench_forks.json"))  # fmt: skip
+_FORKS_QUICK = ("--quick",)
+
+
 def _quick(args: argparse.Namespace, *flags: str) -> list[str]:
     return list(flags) if args.quick else []
 
@@ -203,7 +209,7 @@ BENCHMARKS: tuple[Benchmark, ...] = (
     Benchmark(
         "forks",
         "fork time, bytes copied, 8 branches vs 8 sessions, host-tier swap (bench_forks.py)",
-        lambda a: [_script("bench_forks.py", *_quick(a, "--quick"))],
+        lambda a: [_script("bench_forks.py", *(_FORKS_QUICK if a.quick else _FORKS_FULL))],
     ),
     Benchmark(
         "kernels_cuda",
