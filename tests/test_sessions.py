@@ -253,6 +253,7 @@ def test_swap_out_and_in_round_trip_is_bit_equal_and_frees_the_device(quant):
     assert mgr.reserved_pages() == reserved - max(0, s.planned_pages - held)  # a parked session reserves nothing
     with pytest.raises(CacheClosedError, match="swapped out to host memory"):
         run_chunk(s, sp, 4)
+    assert not any(c.closed for cs in s.caches for c in cs)  # parked, not closed
     with pytest.raises(CacheConfigError, match="swapped out already"):
         mgr.swap_out(s)
     assert mgr.swap_in(s) == held

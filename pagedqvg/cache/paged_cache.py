@@ -251,8 +251,9 @@ class PagedCausalKVCache:
 
     @property
     def closed(self) -> bool:
-        """True after `close()`: the pages are back in the pool and every call raises CacheClosedError."""
-        return self._closed
+        """True after `close()`: the pages are back in the pool and every call raises CacheClosedError (a session
+        swapped out to a host pool is not closed: its calls raise CacheClosedError naming the swap until swap_in)."""
+        return self._closed is True
 
     def __repr__(self) -> str:
         return self._readout.describe(self.debug_name)
