@@ -261,16 +261,8 @@ class SessionManager:
         need = self.planned_pages(spec)
         deadline = time.monotonic() + wait_s
         with self._changed:
-            while True:
-                self.reclaim()
-                available = self.available_pages()
-                if need <= available:
-                    return self._admit(spec, name, need)
-                left = deadline - time.monotonic()
-                if left <= 0:
-                    self.refusals += 1
-                    raise self._refusal(spec, need, available)
-                self._changed.wait(left)
+            self._wait_for_room(lambda: need, deadline, lambda n, available: self._refusal(spec, n, available))
+            return self._admit(spec, name, need)
 
     def adopt(self, caches: list[list], *, name: str | None = None, planned_pages: int = 0) -> Session:
         """Track caches built elsewhere (e.g. by a framework's allocate hook: `caches[set][layer]`, on this pool) as
@@ -285,14 +277,7 @@ class SessionManager:
             available = self.available_pages()
             if planned_pages > available:
                 self.refusals += 1
-                raise SessionRefusedError(
-                    f"adopt: {planned_pages} planned pages, but only {available} are available "
-                    f"({pool.num_free_pages} of {pool.num_pages} free, {self.reserved_pages()} reserved)",
-                    needed_pages=planned_pages,
-                    available_pages=available,
-                    free_pages=pool.num_free_pages,
-                    reserved_pages=self.reserved_pages(),
-                )
+                raise self._room_error(f"adopt: {planned_pages} planned pages", planned_pages, available, "")
             self._serial += 1
             sid = self._serial
             session = Session(self, sid, name or f"session{sid}", caches, planned_pages)
@@ -316,23 +301,14 @@ class SessionManager:
             check_int("fork: divergence_pages", divergence_pages, minimum=0, error=CacheConfigError)
         deadline = time.monotonic() + wait_s
         with self._changed:
-            while True:
-                self.reclaim()
-                need = max(divergence_pages or 0, _current_chunk_pages(session.caches))
-                available = self.available_pages()
-                if need <= available:
-                    break
-                left = deadline - time.monotonic()
-                if left <= 0:
-                    self.refusals += 1
-                    raise SessionRefusedError(
-                        f"fork of {session.name}: its divergence needs {need} pages, but only {available} are "
-                        f"available ({self.pool.num_free_pages} of {self.pool.num_pages} free, "
-                        f"{self.reserved_pages()} reserved); close sessions, wait (wait_s), or plan less divergence",
-                        needed_pages=need, available_pages=available, free_pages=self.pool.num_free_pages,
-                        reserved_pages=self.reserved_pages(),
-                    )  # fmt: skip
-                self._changed.wait(left)
+            need = self._wait_for_room(
+                lambda: max(divergence_pages or 0, _current_chunk_pages(session.caches)),
+                deadline,
+                lambda n, available: self._room_error(
+                    f"fork of {session.name}: its divergence needs {n} pages", n, available,
+                    "; close sessions, wait (wait_s), or plan less divergence",
+                ),
+            )  # fmt: skip
             self._serial += 1
             sid = self._serial
             label = name or f"{session.name}.fork{sid}"
@@ -367,18 +343,15 @@ class SessionManager:
         deadline = time.monotonic() + wait_s
         assert self.host_pool is not None
         with self._changed:
-            while (available := self.available_pages()) < need:
-                left = deadline - time.monotonic()
-                if left <= 0:
-                    self.refusals += 1
-                    raise SessionRefusedError(
-                        f"swap_in of {session.name}: needs {need} pages, but only {available} are available "
-                        f"({self.pool.num_free_pages} of {self.pool.num_pages} free, {self.reserved_pages()} "
-                        f"reserved); close or swap out sessions, or wait (wait_s)",
-                        needed_pages=need, available_pages=available, free_pages=self.pool.num_free_pages,
-                        reserved_pages=self.reserved_pages(),
-                    )  # fmt: skip
-                self._changed.wait(left)
+            self._wait_for_room(
+                lambda: need,
+                deadline,
+                lambda n, available: self._room_error(
+                    f"swap_in of {session.name}: needs {n} pages", n, available,
+                    "; close or swap out sessions, or wait (wait_s)",
+                ),
+                reclaim=False,
+            )  # fmt: skip
             with self.host_pool.lock:
                 moved = host_tier.swap_in_caches(self.pool, self.host_pool, caches)
             record.swapped = False
@@ -395,6 +368,39 @@ class SessionManager:
                 "swapped out already" if record.swapped else "not swapped out")  # fmt: skip
             raise CacheConfigError(f"{what}: {session.name} is {state}")
         return record
+
+    def _wait_for_room(
+        self,
+        need: Callable[[], int],
+        deadline: float,
+        refusal: Callable[[int, int], SessionRefusedError],
+        *,
+        reclaim: bool = True,
+    ) -> int:
+        """With `self._changed` held: wait until `need()` pages fit what open sessions leave (reclaiming abandoned
+        sessions before each look when `reclaim`), until `deadline` (`time.monotonic()` seconds); returns the need.
+        Otherwise counts a refusal and raises `refusal(need, available)`. O(open sessions) per look."""
+        while True:
+            if reclaim:
+                self.reclaim()
+            pages, available = need(), self.available_pages()
+            if pages <= available:
+                return pages
+            left = deadline - time.monotonic()
+            if left <= 0:
+                self.refusals += 1
+                raise refusal(pages, available)
+            self._changed.wait(left)
+
+    def _room_error(self, head: str, need: int, available: int, advice: str) -> SessionRefusedError:
+        """`SessionRefusedError` "`head`, but only N are available (F of T free, R reserved)`advice`" with its
+        page counts."""
+        pool, reserved = self.pool, self.reserved_pages()
+        return SessionRefusedError(
+            f"{head}, but only {available} are available ({pool.num_free_pages} of {pool.num_pages} free, "
+            f"{reserved} reserved){advice}",
+            needed_pages=need, available_pages=available, free_pages=pool.num_free_pages, reserved_pages=reserved,
+        )  # fmt: skip
 
     def _refusal(self, spec: SessionSpec, need: int, available: int) -> SessionRefusedError:
         pool = self.pool
