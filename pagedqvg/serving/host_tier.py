@@ -72,27 +72,31 @@ def swap_out_caches(device: BlockPool, host: BlockPool, caches: list) -> int:
     both pools' locks. PoolExhaustedError (nothing changed) when the host pool has no room."""
     if host.page_bytes != device.page_bytes:
         raise CacheConfigError(f"host pool pages of {host.page_bytes} B differ from the device's {device.page_bytes} B")
-    old = session_pages(caches)
-    new = _take(host, caches, [len(p) for p in old])
-    for src, dst in zip(old, new, strict=True):
-        move_pages(device, src, host, dst)
-    for cache, src, dst in zip(caches, old, new, strict=True):
-        device.free(src, cache.owner)
-        _repoint(cache, dst)
+    moved = _move_caches(device, host, caches)
+    for cache in caches:
         cache._closed = SWAPPED
-    return sum(len(p) for p in old)
+    return moved
 
 
 def swap_in_caches(device: BlockPool, host: BlockPool, caches: list) -> int:
     """Bring every page of swapped-out `caches` back into free device pages; returns the pages moved. The caller
     holds both locks and has admitted them. PoolExhaustedError (nothing changed) when the device has no room."""
-    old = session_pages(caches)
-    new = _take(device, caches, [len(p) for p in old])
-    for src, dst in zip(old, new, strict=True):
-        move_pages(host, src, device, dst)
-    for cache, src, dst in zip(caches, old, new, strict=True):
-        host.free(src, cache.owner)
-        _repoint(cache, dst)
+    moved = _move_caches(host, device, caches)
+    for cache in caches:
         cache._closed = False
         cache._packer.report_used()
+    return moved
+
+
+def _move_caches(src: BlockPool, dst: BlockPool, caches: list) -> int:
+    """Every page of `caches` from `src` into new pages of `dst` (all taken before a byte moves: PoolExhaustedError
+    leaves everything as it was), the old pages freed and the caches' segments pointed at the new ones; returns the
+    pages moved. O(pages)."""
+    old = session_pages(caches)
+    new = _take(dst, caches, [len(p) for p in old])
+    for src_pages, dst_pages in zip(old, new, strict=True):
+        move_pages(src, src_pages, dst, dst_pages)
+    for cache, src_pages, dst_pages in zip(caches, old, new, strict=True):
+        src.free(src_pages, cache.owner)
+        _repoint(cache, dst_pages)
     return sum(len(p) for p in old)
