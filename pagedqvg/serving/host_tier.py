@@ -122,6 +122,7 @@ def _take(dst: BlockPool, caches: list, old: list[list[int]]) -> tuple[list[list
     mapping: dict[int, int] = {}
     taken: list[tuple[str, list[int]]] = []
     new: list[list[int]] = []
+    high_water = dst._high_water
     try:
         for cache, pages in zip(caches, old, strict=True):
             again = [mapping[p] for p in pages if p in mapping]
@@ -134,26 +135,28 @@ def _take(dst: BlockPool, caches: list, old: list[list[int]]) -> tuple[list[list
             mapping.update(zip(fresh, got, strict=True))
             new.append([mapping[p] for p in pages])
     except BaseException:
-        _give_back(dst, taken)
+        _give_back(dst, taken, high_water)
         raise
     return new, mapping
 
 
-def _give_back(pool: BlockPool, taken: list[tuple[str, list[int]]]) -> None:
-    """Undo `_take`: holds and pages freed, newest first."""
+def _give_back(pool: BlockPool, taken: list[tuple[str, list[int]]], high_water: int) -> None:
+    """Undo `_take`: holds and pages freed, newest first (the free list as it was), the high-water mark restored."""
     for owner, pages in reversed(taken):
         pool.free(pages, owner)
+    pool._high_water = high_water
 
 
 def _move_caches(src: BlockPool, dst: BlockPool, caches: list) -> int:
     """Every page of `caches` from `src` into pages of `dst` (the module docstring's transaction), the old pages
     freed and the caches' segments pointed at the new ones; returns the distinct pages copied. O(pages)."""
     old = session_pages(caches)
+    high_water = dst._high_water
     new, mapping = _take(dst, caches, old)
     try:
         move_pages(src, list(mapping), dst, list(mapping.values()))
     except BaseException:
-        _give_back(dst, [(c.owner, pages) for c, pages in zip(caches, new, strict=True)])
+        _give_back(dst, [(c.owner, pages) for c, pages in zip(caches, new, strict=True)], high_water)
         raise
     for cache, src_pages, dst_pages in zip(caches, old, new, strict=True):
         src.free(src_pages, cache.owner)

@@ -22,13 +22,13 @@ from __future__ import annotations
 import contextlib
 import time
 from collections.abc import Iterator
-from typing import TYPE_CHECKING
+from typing import Any
 
 from pagedqvg.serving import host_tier
 from pagedqvg.serving.host_tier import unique_pages
 
-if TYPE_CHECKING:
-    from pagedqvg.serving.sessions import SessionManager, _Record
+#: serving/sessions.py's SessionManager and its _Record (not imported: sessions.py imports this module)
+SessionManager = _Record = Any
 
 __all__ = ["SessionCalls", "make_room", "swap_in_records", "swap_out_records"]
 
