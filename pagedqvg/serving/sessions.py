@@ -142,8 +142,8 @@ class SessionManager:
         swap_in_wait_s: seconds a call of a swapped-out session waits for room to come back (default 0.0).
 
     Counters: `refusals`, `reclaimed`, `swapped_out_total` / `swapped_in_total` (sessions), `swapped_out_pages` /
-    `swapped_in_pages` (distinct pages copied), `swap_s_total` (seconds in page moves), `swap_in_wait_s_total`
-    (seconds calls of swapped-out sessions waited for room).
+    `swapped_in_pages` (distinct pages copied), `swap_s_total` (seconds in page moves), `swap_in_wait_s_total` and
+    `swap_in_wait_s_max` (seconds calls of swapped-out sessions waited to be back: room and copies).
     """
 
     def __init__(
@@ -190,11 +190,12 @@ class SessionManager:
         self._plans: dict[SessionSpec, int] = {}
         self._changed = threading.Condition(pool.lock)
         self._room_note = ""
+        self._host_keep = 0  # host pages admissions leave free for swap-ins: the largest planned peak tracked
         self.refusals = 0
         self.reclaimed = 0
         self.swapped_out_total = self.swapped_in_total = 0
         self.swapped_out_pages = self.swapped_in_pages = 0
-        self.swap_s_total = self.swap_in_wait_s_total = 0.0
+        self.swap_s_total = self.swap_in_wait_s_total = self.swap_in_wait_s_max = 0.0
 
     # ---------------------------------------------------------------- admission
     def planned_pages(self, spec: SessionSpec) -> int:
@@ -349,7 +350,9 @@ class SessionManager:
                 try:
                     self._swap_in_records([record], self.swap_in_wait_s)
                 finally:
-                    self.swap_in_wait_s_total += time.monotonic() - t0
+                    waited = time.monotonic() - t0
+                    self.swap_in_wait_s_total += waited
+                    self.swap_in_wait_s_max = max(self.swap_in_wait_s_max, waited)
                 if self._open.get(sid) is not record:
                     return None  # closed while it waited: the call raises CacheClosedError
             record.busy += 1
@@ -374,6 +377,7 @@ class SessionManager:
         reclaim: bool = True,
         exclude: frozenset[int] = frozenset(),
         done: Callable[[], bool] | None = None,
+        swap_in: bool = False,
     ) -> int:
         """With `self._changed` held: wait until `need()` pages fit what resident sessions leave (reclaiming
         abandoned sessions before each look when `reclaim`; swapping idle sessions out of `exclude` first with
@@ -388,7 +392,7 @@ class SessionManager:
                 return 0
             pages, available = need(), self.available_pages()
             if pages > available and self.swap_when_full:
-                swapped += tiering.make_room(self, pages - available, exclude)
+                swapped += tiering.make_room(self, pages - available, exclude, 0 if swap_in else self._host_keep)
                 pages, available = need(), self.available_pages()
             if pages <= available:
                 return pages
@@ -440,6 +444,7 @@ class SessionManager:
         record = _Record(caches, planned, ref, self.clock(), forked=forked, sid=sid, family=family or sid)
         self._open[sid] = record
         self._lru[sid] = None
+        self._host_keep = max(self._host_keep, planned)
         if self.host_pool is not None:
             gate = tiering.SessionCalls(self, sid, [c for cs in caches for c in cs])
             for cache in gate_targets(caches):

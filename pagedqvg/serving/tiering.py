@@ -10,8 +10,11 @@ no page of a running call moves; `with session.busy():` marks a session busy for
 A cache forked from one of them outside the manager (`cache.fork()`) inherits the attribute but not the session:
 the gate lets calls of owners it does not know pass.
 
-`make_room(manager, short, exclude)` is the admission option `swap_when_full`: it swaps idle resident sessions out,
-least recently used first, until `short` pages are gained or the host pool has no room for the next victim; a
+`make_room(manager, short, exclude, keep)` is the admission option `swap_when_full`: it swaps idle resident sessions
+out, least recently used first, until `short` pages are gained or the host pool has no room for the next victim
+(with `keep` host pages left free: `open`, `adopt` and `fork` keep the largest planned peak of the manager's sessions
+free, so that a parked session can always trade places with an idle resident one at its next call; a swap-in keeps
+none, its own host pages are freed right after); a
 victim whose fork family (its root session and every fork of it) is resident and idle in full goes out with its
 family in one move (shared pages copied once). Sessions in `exclude` (the one being admitted, forked, swapped in)
 are never victims. O(victims x pages) plus O(resident sessions) per victim.
@@ -65,10 +68,10 @@ class SessionCalls:
                 self.manager._leave(record)
 
 
-def make_room(manager: SessionManager, short: int, exclude: frozenset[int]) -> int:
+def make_room(manager: SessionManager, short: int, exclude: frozenset[int], keep: int = 0) -> int:
     """Swap idle sessions out (LRU first, fork families together) until `short` pages are gained or the next victim
-    does not fit the host pool; returns the sessions swapped out. The caller holds the manager's lock. Sets
-    `manager._room_note` to why it stopped (for the refusal message)."""
+    does not fit the host pool with `keep` host pages left free; returns the sessions swapped out. The caller holds
+    the manager's lock. Sets `manager._room_note` to why it stopped (for the refusal message)."""
     host = manager.host_pool
     assert host is not None
     gained = swapped = 0
@@ -81,10 +84,10 @@ def make_room(manager: SessionManager, short: int, exclude: frozenset[int]) -> i
             break
         caches = [c for r in group for cs in r.caches for c in cs]
         need = unique_pages(caches)
-        if need > host.num_free_pages:
+        if need + keep > host.num_free_pages:
             manager._room_note = (
-                f"the host tier is full: {host.num_free_pages} of {host.num_pages} host pages free, the next idle "
-                f"session(s) need {need}"
+                f"the host tier is full: {host.num_free_pages} of {host.num_pages} host pages free ({keep} kept free "
+                f"for swap-ins), the next idle session(s) need {need}"
             )
             break
         before = manager.available_pages()
@@ -157,6 +160,7 @@ def swap_in_records(manager: SessionManager, records: list[_Record], wait_s: flo
         reclaim=False,
         exclude=frozenset(r.sid for r in records),
         done=lambda: not parked(),
+        swap_in=True,
     )
     left = parked()
     if not left:
