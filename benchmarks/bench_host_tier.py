@@ -1,7 +1,8 @@
 """The host tier under a realtime-style load: long-lived sessions, idle most of the time, called at random.
 
-    python benchmarks/bench_host_tier.py [--sessions 10000] [--calls 4000] [--device-sessions 16] [--host-factor 2]
-        [--layers 2] [--heads 2] [--tpf 4] [--seed 0] [--sample 8] [--device cpu|cuda] [--json PATH]
+    python benchmarks/bench_host_tier.py [--sessions 10000] [--calls 2000] [--device-sessions 16] [--host-factor 2]
+        [--layers 2] [--heads 1] [--tpf 2] [--seed 0] [--sample 8] [--transfer-mib 32] [--device cpu|cuda]
+        [--json PATH]
 
 Sessions of a small LingBot-World-like shape (`get_preset("lingbot-world")`'s frames: chunks of 3 frames, a
 3-frame sink, an 18-frame window; `--tpf` tokens per frame, `--layers` layers of `--heads` heads x 128, bf16) on a
@@ -154,10 +155,13 @@ def twin_check(spec: SessionSpec, args, opened, log, device) -> tuple[int, bool]
     return len(sample), equal
 
 
-def transfer(spec: SessionSpec, args, page: int, device: torch.device) -> dict[str, object]:
-    """One session of about `--transfer-mib` MiB swapped out and in (synchronized): GB/s each way."""
+def transfer(spec: SessionSpec, args, device: torch.device) -> dict[str, object]:
+    """One session of about `--transfer-mib` MiB (its own page size, as `BlockPool.for_layers` picks for its chunk)
+    swapped out and in (synchronized): GB/s each way."""
     tpf = max(1, args.transfer_mib * (1 << 20) // (2 * 2 * spec.num_heads * spec.head_dim * 21 * spec.layers))
     big = make_spec(spec.layers, spec.num_heads, tpf, args.quant)
+    page = BlockPool.for_layers(args.transfer_mib << 21, num_heads=big.num_heads, head_dim=big.head_dim,
+                                chunk_tokens=big.chunk_tokens, quant=big.quant).page_bytes  # fmt: skip
     probe = BlockPool(capacity_bytes=page, page_bytes=page)
     need = SessionManager(probe).planned_pages(big)
     pool = BlockPool(capacity_bytes=need * page, page_bytes=page, device=device)
@@ -179,7 +183,7 @@ def transfer(spec: SessionSpec, args, page: int, device: torch.device) -> dict[s
     equal = all(torch.equal(x, y) for x, y in zip(views(s), before, strict=True))
     mgr.close_all()
     out = dict(
-        transfer_bytes=nbytes, transfer_out_GBps=round(nbytes / (t1 - t0) / 1e9, 3),
+        transfer_bytes=nbytes, transfer_page_bytes=page, transfer_out_GBps=round(nbytes / (t1 - t0) / 1e9, 3),
         transfer_in_GBps=round(nbytes / (t2 - t1) / 1e9, 3), transfer_views_equal=equal,
         host_pinned=mgr.host_pool.pinned,
     )  # fmt: skip
@@ -211,7 +215,7 @@ def run(args) -> dict[str, object]:
     out.update({f"plain_{k}": v for k, v in plain.items()})
     out.update({f"tier_{k}": v for k, v in tier.items()})
     out["sessions_ratio"] = round(tier["sessions_open"] / max(1, plain["sessions_open"]), 3)
-    out.update(transfer(spec, args, page, device))
+    out.update(transfer(spec, args, device))
     out["seconds"] = round(time.perf_counter() - t0, 1)
     return out
 
@@ -219,15 +223,15 @@ def run(args) -> dict[str, object]:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--sessions", type=int, default=10_000, help="opens attempted (each refused once full)")
-    ap.add_argument("--calls", type=int, default=4_000, help="calls at random on the open sessions")
+    ap.add_argument("--calls", type=int, default=2_000, help="calls at random on the open sessions")
     ap.add_argument("--device-sessions", type=int, default=16, help="device budget B in planned session peaks")
     ap.add_argument("--host-factor", type=int, default=2, help="host tier = this x B")
     ap.add_argument("--layers", type=int, default=2)
-    ap.add_argument("--heads", type=int, default=2)
-    ap.add_argument("--tpf", type=int, default=4, help="tokens per frame")
+    ap.add_argument("--heads", type=int, default=1)
+    ap.add_argument("--tpf", type=int, default=2, help="tokens per frame")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--sample", type=int, default=8, help="sessions checked against never-swapped twins")
-    ap.add_argument("--transfer-mib", type=int, default=64)
+    ap.add_argument("--transfer-mib", type=int, default=32)
     ap.add_argument("--quant", action="store_true", help="LingBot-World's recommended tiers (compact, int4 sink)")
     ap.add_argument("--device", default="cpu")
     ap.add_argument("--json", default=str(RESULT), help="write the figures here ('' for none)")
