@@ -18,7 +18,13 @@ needs; `open(spec, wait_s=...)` queues instead, until a close frees enough or th
 left; CPython frees it at once, no garbage collection needed) and sessions idle longer than `idle_timeout_s` (a
 lease renewed by `Session.touch()`). `open` reclaims before it refuses.
 
-Complexity: `open` is O(replay of one layer) + O(open sessions); `close` O(pages of the session).
+With a host tier (`host_pool=`; host_tier.py, tiering.py): `swap_out(session, *more)` parks sessions' pages in
+host memory (a page several of them share is copied once) and `swap_in` brings them back; a parked session also
+comes back at the next call of any of its caches. `swap_when_full=True` makes admission (`open`, `adopt`, `fork`,
+`swap_in`) swap idle sessions out, least recently used first, before it waits or refuses; `with session.busy():`
+keeps a session resident. `SessionSpec` and the planned peak live in spec.py.
+
+Complexity: `open` is O(replay of one layer) + O(resident sessions); `close` O(pages of the session).
 """
 
 from __future__ import annotations
