@@ -203,7 +203,12 @@ def swap_in_caches(device: BlockPool, host: BlockPool, caches: list) -> int:
 
 def gather_pages(pool: BlockPool, pages: list[int]) -> torch.Tensor:
     """A copy of whole `pages` of `pool` as int64 words, in host memory (transient, outside every pool; one `copy_`
-    per run). O(pages)."""
+    per run; a host pool's pending side-stream copies are waited for first). O(pages)."""
+    if pool.device.type == "cpu":  # a swap-out's device-to-host copies may still be in flight on a side stream
+        with _streams_lock:
+            pending = list(_streams.values())
+        for stream in pending:
+            stream.synchronize()
     words = pool._page_words()
     out = torch.empty((len(pages), words.shape[1]), dtype=torch.int64)
     for s, d, n in page_runs(pages, list(range(len(pages)))):
