@@ -341,11 +341,7 @@ def test_a_full_host_tier_refuses_naming_the_counts_and_changes_nothing():
     msg = str(info.value)
     assert f"needs {need} pages" in msg and "swap_when_full swapped 0 idle session(s) out first" in msg
     held = sum(mgr.pool.pages_of(c.owner) for cs in a.caches for c in cs)
-    keep = need  # open keeps one planned peak of host pages free for swap-ins
-    assert (
-        f"the host tier is full: 1 of 1 host pages free ({keep} kept free for swap-ins), the next idle session(s) "
-        f"need {held}" in msg
-    )
+    assert f"the host tier is full: 1 of 1 host pages free, the next idle session(s) need {held}" in msg
     same(snapshot(mgr, a, b), before)
     assert mgr.open_sessions == 2 and mgr.refusals == 1
 
@@ -430,3 +426,40 @@ def test_four_threads_on_six_sessions_of_a_pool_that_holds_two():
     assert mgr.pool.stats().used_pages == 0 and mgr.host_pool.stats().used_pages == 0
     mgr.pool.check()
     mgr.host_pool.check()
+
+
+def test_a_full_host_tier_and_a_full_device_trade_places_at_the_next_call(monkeypatch):
+    sp = spec()
+    ta, tb, tc = twins(sp, 3)
+    for t in (ta, tb, tc):
+        run_chunk(t, sp, 0)
+    held = ta.held_pages()
+    mgr, _ = two_session_pool(sp, host_pages=held)  # the host tier holds exactly one parked session
+    a, b = mgr.open(sp, name="a"), mgr.open(sp, name="b")
+    run_chunk(a, sp, 0)
+    run_chunk(b, sp, 0)
+    c = mgr.open(sp, name="c")  # a goes out: the host tier is full now
+    run_chunk(c, sp, 0)
+    assert a.swapped and mgr.host_pool.num_free_pages == 0
+    before = snapshot(mgr, a, b, c)
+
+    def broken(*args):
+        raise RuntimeError("injected copy fault")
+
+    real = host_tier.gather_pages
+    monkeypatch.setattr(host_tier, "gather_pages", broken)
+    with pytest.raises(RuntimeError, match="injected copy fault"):
+        run_chunk(a, sp, 1)  # the trade fails before any page changes hands
+    same(snapshot(mgr, a, b, c), before)
+    monkeypatch.setattr(host_tier, "gather_pages", real)
+    run_chunk(a, sp, 1)  # a and b (the least recently used resident one) trade places
+    run_chunk(ta, sp, 1)
+    assert not a.swapped and b.swapped and not c.swapped
+    assert mgr.swapped_out_total == 2 and mgr.swapped_in_total == 1 and mgr.host_pool.num_free_pages == 0
+    mgr.pool.check()
+    mgr.host_pool.check()
+    for s, t in ((c, tc), (a, ta), (b, tb)):  # b's read trades places with c (4 pages, as b's), not a (8)
+        assert_equal_views(s, t)
+    assert c.swapped and not b.swapped and mgr.swapped_in_total == 2
+    mgr.close_all()
+    assert mgr.pool.stats().used_pages == 0 and mgr.host_pool.stats().used_pages == 0

@@ -63,6 +63,16 @@ def _session_call(method):
     return call
 
 
+def _ensure_open(self, what: str) -> None:
+    """`PagedCausalKVCache._ensure_open`: a parked cache of a session (swapped out to a host tier) comes back first
+    (SessionRefusedError if it cannot); CacheClosedError after `close()` or while parked outside a session."""
+    if isinstance(self._closed, str) and self._tier is not None:
+        self._tier.resume(self)
+    if self._closed:  # True, or a str: why it is out of service (serving/host_tier.py's swap-out)
+        why = "after close(); its pages are back in the pool — make a new cache"
+        raise CacheClosedError(f"{self.debug_name}: {what} " + (self._closed if self._closed is not True else why))
+
+
 class PagedCausalKVCache:
     """One layer's causal K/V cache whose bytes live in pages of a shared `BlockPool`.
 
@@ -122,8 +132,7 @@ class PagedCausalKVCache:
     _view_cls: type = CausalAttentionKVView
     #: Attribute: `(K, V)` value of rows no call wrote (heads a head-sliced advance did not write, adopted slots).
     _unwritten_fill: tuple[float, float] = (0.0, 0.0)
-    #: Set by a SessionManager with a host tier: `call(cache)` (a context manager), `resume(cache)`; `_session_call`.
-    _tier = None
+    _tier = None  # set by a SessionManager with a host tier: `call(cache)` and `resume(cache)`; `_session_call`
 
     def _before_call(self, what: str) -> None:
         """Hook: runs first in `update_and_get_attention_kv`, `pin_current_chunk` and `_read_slots` (`what` names
@@ -143,14 +152,12 @@ class PagedCausalKVCache:
         self._seq.spec = self._seq.spec.with_(**changes)
         self._structure_changed()
 
-    @_session_call
     def _unpin(self, what: str) -> None:
         """Helper: clear the pin (no data moves); CacheClosedError (naming `what`) after `close()`."""
         self._ensure_open(what)
         self._seq.unpin()
         self._structure_changed()
 
-    @_session_call
     def _read_slots(self, what: str) -> torch.Tensor:
         """Helper: a new `[2, B, L, H, D]` tensor of every head of the filled slots `[0, L)`. Runs
         `_before_call(what)` and the closed check first; the last view's record stays. O(L) copies."""
@@ -279,12 +286,7 @@ class PagedCausalKVCache:
         return self._readout.describe(self.debug_name)
 
     # ------------------------------------------------------------ checks
-    def _ensure_open(self, what: str) -> None:
-        if isinstance(self._closed, str) and self._tier is not None:
-            self._tier.resume(self)  # swapped out: back from the host tier first (SessionRefusedError if it cannot)
-        if self._closed:  # True, or a str: why it is out of service (serving/host_tier.py's swap-out)
-            why = "after close(); its pages are back in the pool — make a new cache"
-            raise CacheClosedError(f"{self.debug_name}: {what} " + (self._closed if self._closed is not True else why))
+    _ensure_open = _ensure_open  # CacheClosedError after close(); a swapped-out session's cache comes back first
 
     # ------------------------------------------------------------ pages and views (page_io.PageIO)
     def _structure_changed(self) -> None:
@@ -298,7 +300,6 @@ class PagedCausalKVCache:
         self._io.fill_tokens(entry, lo, hi, kf, vf)
 
     # ------------------------------------------------------------ the call
-    @_session_call
     def update_and_get_attention_kv(
         self,
         *,
@@ -350,7 +351,6 @@ class PagedCausalKVCache:
             self.debug_name = own
             torch.set_grad_enabled(grad)
 
-    @_session_call
     @torch.no_grad()
     def update_and_attend(
         self,
@@ -407,7 +407,7 @@ class PagedCausalKVCache:
             self.debug_name = own
 
     #: Attention mode `heads` (cache/head_groups.py): the write, then attention by head groups of the view.
-    update_and_attend_heads = _session_call(update_and_attend_heads)
+    update_and_attend_heads = update_and_attend_heads
 
     def _update(self, key, value, current_chunk_start, cache_head_start, recent_window_tokens):
         return self._transactional(
@@ -516,7 +516,6 @@ class PagedCausalKVCache:
         return self._view_cls(out[0], out[1], ls, le, st.local_end, st.global_end)
 
     # ------------------------------------------------------------ other calls
-    @_session_call
     def pin_current_chunk(self, num_tokens: int) -> None:
         """Pin the last `num_tokens` filled slots as the sink (a scene cut, called after the chunk's clean pass): the
         pinned chunk starts `num_tokens` slots before the local end and is min(sink_tokens, num_tokens) long. No
@@ -526,7 +525,6 @@ class PagedCausalKVCache:
         self._seq.pin(as_index("num_tokens", num_tokens, self.debug_name))
         self._structure_changed()
 
-    @_session_call
     @holding_pool_lock
     def reset_indices(self) -> None:
         """Empty the cache (a grown cache_size stays) and give every page back to the pool."""
@@ -539,7 +537,6 @@ class PagedCausalKVCache:
             self._g_tensor.zero_()
             self._l_tensor.zero_()
 
-    @_session_call
     @holding_pool_lock
     def rewind_to(self, pos: int) -> None:
         """Drop every token at global position `pos` and later, so the next append starts at `pos` (no dense
@@ -563,7 +560,7 @@ class PagedCausalKVCache:
         self._packer.report_used()
         self._on_cursors_changed(self._seq.state.global_end, self._seq.state.local_end)
 
-    fork = _session_call(fork_cache)  # fork(name=None): a copy-on-write branch sharing every page (cache/fork.py)
+    fork = fork_cache  # fork(name=None): a copy-on-write branch sharing every page (cache/fork.py)
 
     @holding_pool_lock
     def close(self) -> None:
@@ -573,6 +570,13 @@ class PagedCausalKVCache:
         self._packer.release_all()
         self._structure_changed()
         self._closed = True
+
+
+#: Every call of a session's cache runs through its `_tier` gate (`_session_call`; subclasses' overrides reach it
+#: through `super()`).
+for _name in ("_unpin", "_read_slots", "update_and_get_attention_kv", "update_and_attend", "update_and_attend_heads",
+              "pin_current_chunk", "reset_indices", "rewind_to", "fork"):  # fmt: skip
+    setattr(PagedCausalKVCache, _name, _session_call(getattr(PagedCausalKVCache, _name)))
 
 
 def _release_owner(pool: BlockPool, owner: str) -> None:

@@ -18,7 +18,13 @@ needs; `open(spec, wait_s=...)` queues instead, until a close frees enough or th
 left; CPython frees it at once, no garbage collection needed) and sessions idle longer than `idle_timeout_s` (a
 lease renewed by `Session.touch()`). `open` reclaims before it refuses.
 
-Complexity: `open` is O(replay of one layer) + O(open sessions); `close` O(pages of the session).
+With a host tier (`host_pool=`; host_tier.py, tiering.py): `swap_out(session, *more)` parks sessions' pages in
+host memory (a page several of them share is copied once) and `swap_in` brings them back; a parked session also
+comes back at the next call of any of its caches. `swap_when_full=True` makes admission (`open`, `adopt`, `fork`,
+`swap_in`) swap idle sessions out, least recently used first, before it waits or refuses; `with session.busy():`
+keeps a session resident. `SessionSpec` and the planned peak live in spec.py.
+
+Complexity: `open` is O(replay of one layer) + O(resident sessions); `close` O(pages of the session).
 """
 
 from __future__ import annotations
@@ -190,7 +196,6 @@ class SessionManager:
         self._plans: dict[SessionSpec, int] = {}
         self._changed = threading.Condition(pool.lock)
         self._room_note = ""
-        self._host_keep = 0  # host pages admissions leave free for swap-ins: the largest planned peak tracked
         self.refusals = 0
         self.reclaimed = 0
         self.swapped_out_total = self.swapped_in_total = 0
@@ -377,7 +382,6 @@ class SessionManager:
         reclaim: bool = True,
         exclude: frozenset[int] = frozenset(),
         done: Callable[[], bool] | None = None,
-        swap_in: bool = False,
     ) -> int:
         """With `self._changed` held: wait until `need()` pages fit what resident sessions leave (reclaiming
         abandoned sessions before each look when `reclaim`; swapping idle sessions out of `exclude` first with
@@ -392,7 +396,7 @@ class SessionManager:
                 return 0
             pages, available = need(), self.available_pages()
             if pages > available and self.swap_when_full:
-                swapped += tiering.make_room(self, pages - available, exclude, 0 if swap_in else self._host_keep)
+                swapped += tiering.make_room(self, pages - available, exclude)
                 pages, available = need(), self.available_pages()
             if pages <= available:
                 return pages
@@ -444,7 +448,6 @@ class SessionManager:
         record = _Record(caches, planned, ref, self.clock(), forked=forked, sid=sid, family=family or sid)
         self._open[sid] = record
         self._lru[sid] = None
-        self._host_keep = max(self._host_keep, planned)
         if self.host_pool is not None:
             gate = tiering.SessionCalls(self, sid, [c for cs in caches for c in cs])
             for cache in gate_targets(caches):

@@ -10,14 +10,13 @@ no page of a running call moves; `with session.busy():` marks a session busy for
 A cache forked from one of them outside the manager (`cache.fork()`) inherits the attribute but not the session:
 the gate lets calls of owners it does not know pass.
 
-`make_room(manager, short, exclude, keep)` is the admission option `swap_when_full`: it swaps idle resident sessions
-out, least recently used first, until `short` pages are gained or the host pool has no room for the next victim
-(with `keep` host pages left free: `open`, `adopt` and `fork` keep the largest planned peak of the manager's sessions
-free, so that a parked session can always trade places with an idle resident one at its next call; a swap-in keeps
-none, its own host pages are freed right after); a
+`make_room(manager, short, exclude)` is the admission option `swap_when_full`: it swaps idle resident sessions out,
+least recently used first, until `short` pages are gained or the host pool has no room for the next victim; a
 victim whose fork family (its root session and every fork of it) is resident and idle in full goes out with its
 family in one move (shared pages copied once). Sessions in `exclude` (the one being admitted, forked, swapped in)
-are never victims. O(victims x pages) plus O(resident sessions) per victim.
+are never victims. A swap-in that does not fit while the host tier is full too trades places with idle resident
+sessions (`host_tier.trade_caches`: both sides through transient host memory), so a full host tier never strands a
+parked session. O(victims x pages) plus O(resident sessions) per victim.
 """
 
 from __future__ import annotations
@@ -68,10 +67,10 @@ class SessionCalls:
                 self.manager._leave(record)
 
 
-def make_room(manager: SessionManager, short: int, exclude: frozenset[int], keep: int = 0) -> int:
+def make_room(manager: SessionManager, short: int, exclude: frozenset[int]) -> int:
     """Swap idle sessions out (LRU first, fork families together) until `short` pages are gained or the next victim
-    does not fit the host pool with `keep` host pages left free; returns the sessions swapped out. The caller holds
-    the manager's lock. Sets `manager._room_note` to why it stopped (for the refusal message)."""
+    does not fit the host pool; returns the sessions swapped out. The caller holds the manager's lock. Sets
+    `manager._room_note` to why it stopped (for the refusal message)."""
     host = manager.host_pool
     assert host is not None
     gained = swapped = 0
@@ -84,10 +83,10 @@ def make_room(manager: SessionManager, short: int, exclude: frozenset[int], keep
             break
         caches = [c for r in group for cs in r.caches for c in cs]
         need = unique_pages(caches)
-        if need + keep > host.num_free_pages:
+        if need > host.num_free_pages:
             manager._room_note = (
-                f"the host tier is full: {host.num_free_pages} of {host.num_pages} host pages free ({keep} kept free "
-                f"for swap-ins), the next idle session(s) need {need}"
+                f"the host tier is full: {host.num_free_pages} of {host.num_pages} host pages free, the next idle "
+                f"session(s) need {need}"
             )
             break
         before = manager.available_pages()
@@ -151,6 +150,11 @@ def swap_in_records(manager: SessionManager, records: list[_Record], wait_s: flo
         left = parked()
         return unique_pages(_caches(left)) + sum(max(0, r.planned_pages - manager._held(r, host)) for r in left)
 
+    left = parked()
+    if manager.swap_when_full and left and need() > manager.available_pages():
+        traded = _trade(manager, left, need(), frozenset(r.sid for r in records))
+        if traded is not None:
+            return traded
     manager._wait_for_room(
         need,
         time.monotonic() + wait_s,
@@ -160,7 +164,6 @@ def swap_in_records(manager: SessionManager, records: list[_Record], wait_s: flo
         reclaim=False,
         exclude=frozenset(r.sid for r in records),
         done=lambda: not parked(),
-        swap_in=True,
     )
     left = parked()
     if not left:
@@ -177,3 +180,47 @@ def swap_in_records(manager: SessionManager, records: list[_Record], wait_s: flo
     manager.swapped_in_total += len(left)
     manager.swapped_in_pages += moved
     return moved
+
+
+def _trade(manager: SessionManager, left: list[_Record], need: int, exclude: frozenset[int]) -> int | None:
+    """Bring parked `left` back by trading places with idle resident sessions (LRU first, families together) when the
+    victims that make room do not fit the host pool's free pages but do once `left` has left it; returns the pages
+    brought in, or None (nothing changed) when a plain swap-out fits or no trade fits."""
+    host, device = manager.host_pool, manager.pool
+    in_caches = _caches(left)
+    available = manager.available_pages()
+    chosen: list[_Record] = []
+    skip = set(exclude)
+    while True:
+        out_caches = _caches(chosen)
+        gained = host_tier.freed_by(device, out_caches) + sum(
+            max(0, r.planned_pages - manager._held(r)) for r in chosen
+        )
+        if need <= available + gained:
+            break
+        group = _next_victims(manager, frozenset(skip))
+        if not group:
+            return None
+        skip.update(r.sid for r in group)
+        chosen += group
+    out_pages = unique_pages(out_caches)
+    if out_pages <= host.num_free_pages or out_pages > host.num_free_pages + host_tier.freed_by(host, in_caches):
+        return None
+    t0 = time.perf_counter()
+    with host.lock:
+        moved_out, moved_in = host_tier.trade_caches(device, host, out_caches, in_caches)
+    manager.swap_s_total += time.perf_counter() - t0
+    now = manager.clock()
+    for record in chosen:
+        record.swapped = True
+        manager._lru.pop(record.sid, None)
+    for record in left:
+        record.swapped = False
+        record.last_used = now
+        manager._lru[record.sid] = None
+    manager.swapped_out_total += len(chosen)
+    manager.swapped_out_pages += moved_out
+    manager.swapped_in_total += len(left)
+    manager.swapped_in_pages += moved_in
+    manager._changed.notify_all()
+    return moved_in
