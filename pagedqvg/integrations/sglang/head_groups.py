@@ -64,8 +64,10 @@ HEADS_DEFAULT_MARGIN = 1.05
 #: SGLang's SDPA backend on CPU under torch 2.13. Bits: tests/test_head_groups*.py (SGLang stand-ins, every tier
 #: format, head slices, bf16 / fp16 / fp32) and .ci/sglang_runtime.py (SGLang's real DiffGenerator: heads, view and
 #: the default give torch.equal samples, quant off and int2). Time: LingBot-World's per-head shape (4,680 queries x
-#: 28,080 keys x 128, 2 heads, groups of 1 vs the whole call, the same SDPA), median of 5 interleaved calls, torch
-#: 2.13.0 CPU, 2 threads: heads/view 1.00x in fp32 and 1.00x in bf16 (docs/ATTENTION_MODES.md has the run).
+#: 28,080 keys x 128, 2 heads, groups of 1 vs the whole call, the same SDPA; `bench_head_groups.py --per-head`),
+#: median heads/view of 7 alternating pairs, torch 2.13.0 CPU, 2 threads on a shared 2-core machine: CPU time
+#: 0.977x (fp32) and 0.996x (bf16), wall time 1.039x and 0.968x; an earlier 5-pair run under heavier load measured
+#: wall 1.289x / 1.059x (pairs 0.84-1.36x: the shared machine's noise). docs/ATTENTION_MODES.md has the runs.
 #: GPU entries are added only from `benchmarks/bench_kernels_cuda.py` runs, which print the entry they prove.
 HEADS_DEFAULT_ALLOWLIST: tuple[tuple[str, str, str], ...] = (("TORCH_SDPA", "cpu", "2.13"),)
 
