@@ -14,9 +14,10 @@ head, so a few heads stand for 40; the whole call's time is per-head work times 
 (`update_and_get_attention_kv` + SDPA over all heads) against mode `heads` (`update_and_attend_heads`, groups of
 `--group` heads, default 1: the most groups, the most per-group overhead), the same SDPA; the two calls alternate
 `--reps` times (pairs, so drift of a shared CPU hits both) and the line gives the median of the pairs' ratios, their
-range, and the verdict against `HEADS_DEFAULT_MARGIN`, in wall time and in CPU time (`time.process_time`: on a
-shared CPU the wall time also counts other processes' turns). Exits 1 if an output differs from view's or a median
-ratio is over the margin.
+range, in wall time and in CPU time (`time.process_time`: on a shared CPU the wall time also counts other
+processes' turns; torch's OpenMP threads spin while they wait, so a thread left idle by the split still counts), and
+the verdict against `HEADS_DEFAULT_MARGIN`, which is on the CPU time. Exits 1 if an output differs from view's or a
+median CPU-time ratio is over the margin.
 
 Usage: python benchmarks/bench_head_groups.py [--tokens-per-frame 130] [--dtype bf16] [--reps 3] [--groups 1,4,7,10,40]
        python benchmarks/bench_head_groups.py --per-head [--heads 2] [--group 1] [--reps 5] [--dtypes fp32,bf16]
@@ -147,7 +148,7 @@ def _per_head_line(name: str, heads: int, group: int, reps: int, margin: float) 
     for label, t in (("wall time", wall), ("CPU time (this process's threads)", cpu)):
         ratios = [h / w for h, w in zip(t["heads"], t["view"], strict=True)]
         med = statistics.median(ratios)
-        ok &= med <= margin
+        ok &= t is wall or med <= margin  # the verdict: CPU time (wall time counts other processes' turns too)
         print(f"        heads/view {label}: median {med:.3f}x, pairs {min(ratios):.3f}-{max(ratios):.3f} "
               f"({' '.join(f'{r:.3f}' for r in ratios)}); margin {margin}x: {'within' if med <= margin else 'OVER'}",
               flush=True)  # fmt: skip
