@@ -19,10 +19,12 @@ Configuration (environment variables, inherited by spawned workers):
                                history's (PAGEDQVG_KV_CACHE_QUANT's, the default), false = dense
     PAGEDQVG_KV_CACHE_QUANT_RECENT  the recent tier's format (the KEEP_RECENT newest completed chunks): bf16 (dense,
                                the default), fp8, int4, int2, compact, no coarser than the history's
-    PAGEDQVG_ATTENTION         view (default) | pages: SGLang's causal self-attention computes attention straight
-                               from the pool's pages (`update_and_attend`) instead of over a materialized view |
-                               heads: SGLang's own attention per group of heads over that group's view
-    PAGEDQVG_ATTENTION_HEAD_GROUPS  mode heads: heads per group (an int >= 1); unset or auto: the cost model
+    PAGEDQVG_ATTENTION         unset or auto (default): per call heads where (backend, device type, torch version)
+                               is on head_groups.HEADS_DEFAULT_ALLOWLIST, else view | view: SGLang attends over the
+                               materialized view, always | pages: SGLang's causal self-attention computes attention
+                               straight from the pool's pages (`update_and_attend`) | heads: SGLang's own attention
+                               per group of heads over that group's view
+    PAGEDQVG_ATTENTION_HEAD_GROUPS  modes heads and auto: heads per group (an int >= 1); unset or auto: the cost model
     PAGEDQVG=off               disable (the plugin registers nothing)
 The variables are parsed once, at registration, into `PluginSettings` (the quantization a `QuantConfig`, tiers
 included), which configures the process's one integration object (`runtime.integration()`). Any
@@ -108,7 +110,7 @@ class PluginSettings:
     memory_fraction: float | None = None
     quant: QuantConfig | None = None
     given: dict[str, str] = field(default_factory=dict)
-    attention: str = "view"  # PAGEDQVG_ATTENTION: "view", "pages" or "heads"
+    attention: str = "auto"  # PAGEDQVG_ATTENTION: "auto" (unset), "view", "pages" or "heads"
 
     def describe(self) -> str:
         """One line: the budget per rank and the quantization."""
@@ -126,7 +128,9 @@ class PluginSettings:
                 quant += ")"
         return f"pool per rank on its device at the first cache, {size}; quantization: {quant}; attention: " + (
             "from pages (PAGEDQVG_ATTENTION=pages)" if self.attention == "pages"
-            else "by head groups (PAGEDQVG_ATTENTION=heads)" if self.attention == "heads" else "over the view"
+            else "by head groups (PAGEDQVG_ATTENTION=heads)" if self.attention == "heads"
+            else "over the view (PAGEDQVG_ATTENTION=view)" if self.attention == "view"
+            else "over the view, by head groups where the backend is allowlisted (PAGEDQVG_ATTENTION unset)"
         )  # fmt: skip
 
 
@@ -222,12 +226,12 @@ def settings_from_env(env: Mapping[str, str] | None = None) -> PluginSettings:
     quant = parse_quant(env)
     attention = parse_attention(env)
     if budget is None and fraction is None:
-        if quant is not None or attention != "view" or switch in ("on", "1", "true", "yes"):
+        if quant is not None or attention in ("pages", "heads") or switch in ("on", "1", "true", "yes"):
             asked = (
                 f"{ENV_QUANT}={env[ENV_QUANT]!r}"
                 if quant is not None
                 else f"{ENV_ATTENTION}={env[ENV_ATTENTION]!r}"
-                if attention != "view"
+                if attention in ("pages", "heads")
                 else f"{ENV_SWITCH}={env[ENV_SWITCH]!r}"
             )
             raise PluginConfigError(
@@ -246,14 +250,14 @@ def settings_from_env(env: Mapping[str, str] | None = None) -> PluginSettings:
 
 
 def parse_attention(env: Mapping[str, str]) -> str:
-    """`PAGEDQVG_ATTENTION`: "view" (unset or empty), "pages" or "heads" (then `PAGEDQVG_ATTENTION_HEAD_GROUPS` is
-    checked too); PluginConfigError naming the value otherwise."""
+    """`PAGEDQVG_ATTENTION`: "auto" (unset or empty: the default), "view", "pages" or "heads" (with heads and auto
+    `PAGEDQVG_ATTENTION_HEAD_GROUPS` is checked too); PluginConfigError naming the value otherwise."""
     from pagedqvg.integrations.sglang.attention import attention_mode_from_env
     from pagedqvg.integrations.sglang.head_groups import head_group_size_from_env
 
     try:
         mode = attention_mode_from_env(env)
-        if mode == "heads":
+        if mode in ("heads", "auto"):
             head_group_size_from_env(env)  # checked here: a bad value stops the process before anything registers
         return mode
     except CacheConfigError as exc:
@@ -332,7 +336,7 @@ def _require_hooks_applied(*args: Any, **kwargs: Any) -> None:
 
 def _hook_targets() -> tuple[str, ...]:
     """The targets this process's hooks must have patched: the allocations, the request ends, the realtime release,
-    and the attention layer in pages mode."""
+    and the attention layer in the modes that defer the view (pages, heads, auto)."""
     from pagedqvg.integrations.sglang.attention import DEFERRED_MODES, attention_mode
 
     pages = (ATTENTION_TARGET,) if attention_mode() in DEFERRED_MODES else ()
@@ -379,7 +383,7 @@ def register() -> None:
     from sglang.multimodal_gen.runtime.platforms.plugins import HookType, plugin_hook
 
     from pagedqvg.integrations.sglang import integration as integ
-    from pagedqvg.integrations.sglang.attention import set_attention_mode
+    from pagedqvg.integrations.sglang.attention import DEFERRED_MODES, set_attention_mode
     from pagedqvg.integrations.sglang.runtime import integration
 
     integ.configure(
@@ -389,13 +393,13 @@ def register() -> None:
         quant_override=settings.quant is not None,
     )
     set_attention_mode(settings.attention)
-    if settings.attention == "heads":
+    if settings.attention in ("heads", "auto"):
         from pagedqvg.integrations.sglang.head_groups import head_group_size_from_env, set_head_group_size
 
         set_head_group_size(head_group_size_from_env())
     hooks = _hooks()
     for target in table:
-        if target.kind in hooks and (target.kind != "attention" or settings.attention in ("pages", "heads")):
+        if target.kind in hooks and (target.kind != "attention" or settings.attention in DEFERRED_MODES):
             hook, kind = hooks[target.kind]
             plugin_hook(target.path, getattr(HookType, kind))(hook)
     state = integration()
