@@ -78,8 +78,8 @@ def kept(session):
     """The pagedqvg session of the caches SGLang keeps in a RealtimeSession's state (None before its first call)."""
     from sglang.multimodal_gen.runtime.realtime.states import RealtimeCausalDiTState
 
-    caches = session.get_state(RealtimeCausalDiTState).kv_cache
-    return getattr(caches, "session", None)
+    state = session.get_state(RealtimeCausalDiTState)
+    return getattr(getattr(state, "kv_cache", None), "session", None)
 
 
 def used(pool) -> int:
@@ -148,14 +148,14 @@ def main(src: str) -> dict:
         refused, pool_pages, message = refused_without_host_tier(integ, runner, budget)
         integ.install(budget_bytes=budget, host_budget_bytes=budget)
         try:
-            pool = integ.shared_pool("cpu")
-            manager = sglang_sessions.manager_for(pool)
-            host = manager.host_pool
             sessions = [RealtimeSession() for _ in range(SESSIONS)]
             equal, after = [], []
             for k in chunks:
                 for s, session in enumerate(sessions):
                     equal.append(torch.equal(runner.call(s, session, k), want[s][k]))
+                    pool = integ.shared_pool("cpu")  # made at the first allocation, at the planner's page
+                    manager = sglang_sessions.manager_for(pool)
+                    host = manager.host_pool
                     open_ = [x for x in (kept(y) for y in sessions) if x is not None]
                     resident = sum(x.held_pages() for x in open_ if not x.swapped)
                     parked = sum(host.pages_of(c.owner) for x in open_ if x.swapped for cs in x.caches for c in cs)

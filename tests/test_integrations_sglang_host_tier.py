@@ -237,7 +237,8 @@ def test_without_a_host_tier_the_third_session_is_refused_as_before(reset):
     with pytest.raises(SessionRefusedError) as info:
         chunk_call(stage, rts[2], 2, 0)
     assert info.value.needed_pages == need and info.value.available_pages == 0
-    assert "RealtimeStage: KV caches of 2 blocks" in str(info.value) and "PAGEDQVG_BUDGET" in str(info.value)
+    message = str(info.value)
+    assert "RealtimeStage: KV caches of 2 blocks" in message and "set PAGEDQVG_HOST_BUDGET" in message, message
     assert (debug_state(pool), manager.open_sessions, manager.reserved_pages()) == before
     for rt in rts[:2]:
         dispose(rt)
@@ -258,8 +259,10 @@ def test_a_requests_sessions_are_busy_for_the_request(reset):
         extra = RealtimeStage().allocate()  # admitted in this request: busy too
         assert session_b.swapped and not session_a.swapped and manager.swapped_out_total == 1
         before = debug_state(pool), debug_state(manager.host_pool), manager.open_sessions, manager.reserved_pages()
-        with pytest.raises(SessionRefusedError):
+        with pytest.raises(SessionRefusedError) as info:
             RealtimeStage().allocate()
+        message = str(info.value)
+        assert "or PAGEDQVG_HOST_BUDGET" in message and "swap_when_full swapped 0 idle session(s)" in message, message
         assert (debug_state(pool), debug_state(manager.host_pool), manager.open_sessions,
                 manager.reserved_pages()) == before  # fmt: skip
     assert extra.session.closed, "the request's own list closed at its end"

@@ -150,12 +150,17 @@ def _refusal(stage: Any, caches: list, spec: SessionSpec | None, exc: SessionRef
     first = caches[0]
     chunk = f"chunks of {spec.chunk_tokens} tokens" if spec is not None else "no chunk plan"
     pool = first.pool
+    tier, note = ", set PAGEDQVG_HOST_BUDGET (a host tier for idle realtime sessions)", ""
+    if manager_for(pool).host_pool is not None:  # the manager's note: the idle sessions it swapped out, why it stopped
+        tier, said = " or PAGEDQVG_HOST_BUDGET", str(exc)
+        note = f" {said[said.index('(swap_when_full') :]}" if "(swap_when_full" in said else ""
     return SessionRefusedError(
         f"{type(stage).__name__}: KV caches of {len(caches)} blocks x batch {first.batch_size} x {first.cache_size} "
         f"slots x {first.num_cache_heads} heads x {first.head_dim} ({first.dtype}, {chunk}) need {exc.needed_pages} "
         f"pages of {pool.page_bytes} B at their planned peak, but only {exc.available_pages} are available: "
         f"{exc.free_pages} of {pool.num_pages} free, {exc.reserved_pages} reserved by open sessions; raise "
-        f"PAGEDQVG_BUDGET (install(budget_bytes=...)), end realtime sessions, or quantize (PAGEDQVG_KV_CACHE_QUANT)",
+        f"PAGEDQVG_BUDGET (install(budget_bytes=...)){tier}, end realtime sessions, or quantize "
+        f"(PAGEDQVG_KV_CACHE_QUANT){note}",
         needed_pages=exc.needed_pages,
         available_pages=exc.available_pages,
         free_pages=exc.free_pages,
