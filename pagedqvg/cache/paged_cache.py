@@ -11,6 +11,7 @@ so every error leaves the cache and the pool exactly as they were.
 
 from __future__ import annotations
 
+import functools
 import weakref
 
 import torch
@@ -45,6 +46,21 @@ __all__ = ["PagedCausalKVCache", "make_layer_caches"]
 
 
 _VIEW_CALL = "update_and_get_attention_kv"
+
+
+def _session_call(method):
+    """A call of a cache whose `_tier` is set (a session of a SessionManager with a host tier, serving/sessions.py)
+    runs inside `_tier.call(cache)`: back from host memory first if swapped out, busy (never swapped) while it
+    runs, its session's last use renewed. O(1) more per call."""
+
+    @functools.wraps(method)
+    def call(self, *args, **kwargs):
+        if self._tier is None:
+            return method(self, *args, **kwargs)
+        with self._tier.call(self):
+            return method(self, *args, **kwargs)
+
+    return call
 
 
 class PagedCausalKVCache:
@@ -106,6 +122,8 @@ class PagedCausalKVCache:
     _view_cls: type = CausalAttentionKVView
     #: Attribute: `(K, V)` value of rows no call wrote (heads a head-sliced advance did not write, adopted slots).
     _unwritten_fill: tuple[float, float] = (0.0, 0.0)
+    #: Set by a SessionManager with a host tier: `call(cache)` (a context manager), `resume(cache)`; `_session_call`.
+    _tier = None
 
     def _before_call(self, what: str) -> None:
         """Hook: runs first in `update_and_get_attention_kv`, `pin_current_chunk` and `_read_slots` (`what` names
@@ -125,12 +143,14 @@ class PagedCausalKVCache:
         self._seq.spec = self._seq.spec.with_(**changes)
         self._structure_changed()
 
+    @_session_call
     def _unpin(self, what: str) -> None:
         """Helper: clear the pin (no data moves); CacheClosedError (naming `what`) after `close()`."""
         self._ensure_open(what)
         self._seq.unpin()
         self._structure_changed()
 
+    @_session_call
     def _read_slots(self, what: str) -> torch.Tensor:
         """Helper: a new `[2, B, L, H, D]` tensor of every head of the filled slots `[0, L)`. Runs
         `_before_call(what)` and the closed check first; the last view's record stays. O(L) copies."""
@@ -260,6 +280,8 @@ class PagedCausalKVCache:
 
     # ------------------------------------------------------------ checks
     def _ensure_open(self, what: str) -> None:
+        if isinstance(self._closed, str) and self._tier is not None:
+            self._tier.resume(self)  # swapped out: back from the host tier first (SessionRefusedError if it cannot)
         if self._closed:  # True, or a str: why it is out of service (serving/host_tier.py's swap-out)
             why = "after close(); its pages are back in the pool — make a new cache"
             raise CacheClosedError(f"{self.debug_name}: {what} " + (self._closed if self._closed is not True else why))
@@ -276,6 +298,7 @@ class PagedCausalKVCache:
         self._io.fill_tokens(entry, lo, hi, kf, vf)
 
     # ------------------------------------------------------------ the call
+    @_session_call
     def update_and_get_attention_kv(
         self,
         *,
@@ -327,6 +350,7 @@ class PagedCausalKVCache:
             self.debug_name = own
             torch.set_grad_enabled(grad)
 
+    @_session_call
     @torch.no_grad()
     def update_and_attend(
         self,
@@ -383,7 +407,7 @@ class PagedCausalKVCache:
             self.debug_name = own
 
     #: Attention mode `heads` (cache/head_groups.py): the write, then attention by head groups of the view.
-    update_and_attend_heads = update_and_attend_heads
+    update_and_attend_heads = _session_call(update_and_attend_heads)
 
     def _update(self, key, value, current_chunk_start, cache_head_start, recent_window_tokens):
         return self._transactional(
@@ -492,6 +516,7 @@ class PagedCausalKVCache:
         return self._view_cls(out[0], out[1], ls, le, st.local_end, st.global_end)
 
     # ------------------------------------------------------------ other calls
+    @_session_call
     def pin_current_chunk(self, num_tokens: int) -> None:
         """Pin the last `num_tokens` filled slots as the sink (a scene cut, called after the chunk's clean pass): the
         pinned chunk starts `num_tokens` slots before the local end and is min(sink_tokens, num_tokens) long. No
@@ -501,6 +526,7 @@ class PagedCausalKVCache:
         self._seq.pin(as_index("num_tokens", num_tokens, self.debug_name))
         self._structure_changed()
 
+    @_session_call
     @holding_pool_lock
     def reset_indices(self) -> None:
         """Empty the cache (a grown cache_size stays) and give every page back to the pool."""
@@ -513,6 +539,7 @@ class PagedCausalKVCache:
             self._g_tensor.zero_()
             self._l_tensor.zero_()
 
+    @_session_call
     @holding_pool_lock
     def rewind_to(self, pos: int) -> None:
         """Drop every token at global position `pos` and later, so the next append starts at `pos` (no dense
@@ -536,7 +563,7 @@ class PagedCausalKVCache:
         self._packer.report_used()
         self._on_cursors_changed(self._seq.state.global_end, self._seq.state.local_end)
 
-    fork = fork_cache  # fork(name=None): a copy-on-write branch sharing every page (cache/fork.py)
+    fork = _session_call(fork_cache)  # fork(name=None): a copy-on-write branch sharing every page (cache/fork.py)
 
     @holding_pool_lock
     def close(self) -> None:
