@@ -277,7 +277,7 @@ def test_a_requests_sessions_are_busy_for_the_request(reset):
 
 def test_a_one_shot_request_swaps_an_idle_realtime_session_out_and_it_comes_back(reset):
     want = one_at_a_time(None, 2)
-    pool = two_session_pool(host_sessions=1)[0]
+    pool = two_session_pool(host_sessions=2)[0]
     stage, a, b = RealtimeStage(), new_session(), new_session()
     chunk_call(stage, a, 0, 0)
     chunk_call(stage, b, 1, 0)
@@ -297,7 +297,7 @@ def test_a_one_shot_request_swaps_an_idle_realtime_session_out_and_it_comes_back
 
 
 def test_a_restart_of_a_swapped_session_frees_its_host_pages(reset):
-    pool = two_session_pool(host_sessions=1)[0]
+    pool = two_session_pool(host_sessions=2)[0]
     stage, rts = RealtimeStage(), [new_session() for _ in range(3)]
     for s, rt in enumerate(rts):
         chunk_call(stage, rt, s, 0)

@@ -20,6 +20,7 @@ from pagedqvg.allocator import DEFAULT_PAGE_BYTES, PAGE_ALIGN_BYTES, BlockPool
 from pagedqvg.allocator.pool import available_memory_bytes
 from pagedqvg.errors import CacheConfigError
 from pagedqvg.quant import QuantConfig
+from pagedqvg.serving.host_tier import host_pool_for
 from pagedqvg.serving.sessions import SessionManager
 
 __all__ = ["PoolShape", "SGLangIntegration", "integration"]
@@ -209,7 +210,7 @@ class SGLangIntegration:
                     f"({pool.page_bytes} bytes, the planner's page for its caches); valid: at least {pool.page_bytes} "
                     f"bytes (a host tier holds whole pages), or 0 / unset for no host tier"
                 )
-            host = self.host_pools[id(pool)] = _host_pool(budget, pool)
+            host = self.host_pools[id(pool)] = host_pool_for(pool, budget)
             return host
 
     def manager_for(self, pool: BlockPool) -> SessionManager:
@@ -225,13 +226,6 @@ class SGLangIntegration:
                     manager = SessionManager(pool, host_pool=host, swap_when_full=True)
                 self.managers[id(pool)] = manager
             return manager
-
-
-def _host_pool(budget: int, pool: BlockPool) -> BlockPool:
-    """A CPU pool of `budget` bytes at `pool`'s page (pinned when `pool` is on CUDA, so swaps copy asynchronously)."""
-    if pool.device.type == "cuda":
-        return BlockPool(capacity_bytes=budget, page_bytes=pool.page_bytes, device="cpu", pin_memory=True)
-    return BlockPool(capacity_bytes=budget, page_bytes=pool.page_bytes, device="cpu")
 
 
 def _check_fits(key: str, pool: BlockPool, shape: PoolShape, earlier: dict[PoolShape, float]) -> None:
