@@ -45,6 +45,7 @@ class Runner:
         self.stage = stages.LingBotWorldCausalDMDDenoisingStage(net, self._scheduler())
         self.inputs = [self._inputs(1 + s) for s in range(SESSIONS)]
         self.schedulers = [self._scheduler() for _ in range(SESSIONS)]
+        self.bound: dict[int, object] = {}
 
     def _scheduler(self):
         from sglang.multimodal_gen.runtime.models.schedulers.scheduling_self_forcing_flow_match import (
@@ -62,15 +63,20 @@ class Runner:
         latents = [torch.randn(1, 16, 2, hw, hw, generator=gen) for _ in range(lingbot.CHUNKS)]
         return condition, prompt, latents
 
-    def call(self, s: int, session, block: int) -> torch.Tensor:
+    def call(self, s: int, sessions, block: int) -> torch.Tensor:
+        """Chunk `block` of session `s`, bound to its `RealtimeSession` by id through `sessions` (SGLang's
+        `RealtimeSessionCache`, as its GPU worker binds each chunk request: `attach(req)`); remembers the session
+        object in `self.bound[s]`."""
         from sglang.multimodal_gen.configs.sample.sampling_params import SamplingParams
         from sglang.multimodal_gen.runtime.pipelines_core.schedule_batch import Req
 
         condition, prompt, latents = self.inputs[s]
-        req = Req(sampling_params=SamplingParams(), session=session, block_idx=block, image_latent=condition,
-                  latents=latents[block].clone(), scheduler=self.schedulers[s],
+        req = Req(sampling_params=SamplingParams(), realtime_session_id=f"session{s}", block_idx=block,
+                  image_latent=condition, latents=latents[block].clone(), scheduler=self.schedulers[s],
                   timesteps=torch.tensor([1000, 750, 500, 250]), prompt_embeds=[prompt],
                   generator=torch.Generator().manual_seed(100 * s + block))  # fmt: skip
+        sessions.attach(req)
+        self.bound[s] = req.session
         return self.stage.forward(req, self.server_args).latents.clone()
 
 
@@ -86,18 +92,21 @@ def used(pool) -> int:
     return pool.num_pages - pool.num_free_pages
 
 
+def session_cache(max_sessions: int):
+    from sglang.multimodal_gen.runtime.realtime.session import RealtimeSessionCache
+
+    return RealtimeSessionCache(max_sessions=max_sessions)
+
+
 def reference(integ, runner, chunks: list[int]) -> tuple[list[list[torch.Tensor]], int, int]:
     """Each session alone on a big pool without a host tier: latents[session][chunk], planned pages, page bytes."""
-    from sglang.multimodal_gen.runtime.realtime.session import RealtimeSession
-
     integ.install(budget_bytes=64 << 20)
     try:
-        out, planned = [], 0
+        out, planned, sessions = [], 0, session_cache(SESSIONS)
         for s in range(SESSIONS):
-            session = RealtimeSession()
-            out.append([runner.call(s, session, k) for k in chunks])
-            planned = max(planned, kept(session).planned_pages)
-            session.dispose()
+            out.append([runner.call(s, sessions, k) for k in chunks])
+            planned = max(planned, kept(runner.bound[s]).planned_pages)
+            sessions.release(f"session{s}")  # SGLang's release_realtime_session
         pool = integ.shared_pool("cpu")
         assert used(pool) == 0
         return out, planned, pool.page_bytes
@@ -107,27 +116,49 @@ def reference(integ, runner, chunks: list[int]) -> tuple[list[list[torch.Tensor]
 
 def refused_without_host_tier(integ, runner, budget: int) -> tuple[bool, int, str]:
     """Two sessions admitted on the pool of two planned peaks, the third refused with the pool unchanged."""
-    from sglang.multimodal_gen.runtime.realtime.session import RealtimeSession
-
     from pagedqvg import SessionRefusedError
     from pagedqvg.allocator.pool import debug_state
 
     integ.install(budget_bytes=budget)
-    sessions = [RealtimeSession() for _ in range(SESSIONS)]
+    sessions = session_cache(SESSIONS)
     try:
         for s in range(2):
-            runner.call(s, sessions[s], 0)
+            runner.call(s, sessions, 0)
         pool = integ.shared_pool("cpu")
         before = debug_state(pool)
         try:
-            runner.call(2, sessions[2], 0)
+            runner.call(2, sessions, 0)
         except SessionRefusedError as exc:
             return debug_state(pool) == before, pool.num_pages, str(exc)
         return False, pool.num_pages, ""
     finally:
-        for session in sessions:
-            session.dispose()
+        for s in range(SESSIONS):
+            sessions.release(f"session{s}")
         integ.uninstall()
+
+
+def worker_default_evicts(integ, runner, budget: int) -> list[list[int]]:
+    """SGLang's GPU worker binds sessions through RealtimeSessionCache(max_sessions=1) (gpu_worker.py:317): a second
+    session evicts (disposes) the first. [device pages, host pages, open sessions] after each of two sessions'
+    first chunk, then after the second's release."""
+    integ.install(budget_bytes=budget, host_budget_bytes=budget)
+    try:
+        sessions, seen = session_cache(1), []
+        for s in range(2):
+            runner.call(s, sessions, 0)
+            manager = sglang_manager(integ)
+            seen.append([used(manager.pool), used(manager.host_pool), manager.open_sessions])
+        sessions.release("session1")
+        seen.append([used(manager.pool), used(manager.host_pool), manager.open_sessions])
+        return seen
+    finally:
+        integ.uninstall()
+
+
+def sglang_manager(integ):
+    from pagedqvg.integrations.sglang import sessions as sglang_sessions
+
+    return sglang_sessions.manager_for(integ.shared_pool("cpu"))
 
 
 def main(src: str) -> dict:
@@ -135,10 +166,7 @@ def main(src: str) -> dict:
     import sglang_lingbot_sessions
 
     lingbot, net = sglang_lingbot_sessions.setup(src)
-    from sglang.multimodal_gen.runtime.realtime.session import RealtimeSession
-
     from pagedqvg.integrations.sglang import integration as integ
-    from pagedqvg.integrations.sglang import sessions as sglang_sessions
 
     chunks = list(range(lingbot.CHUNKS))
     with torch.no_grad():
@@ -146,26 +174,28 @@ def main(src: str) -> dict:
         want, planned, page = reference(integ, runner, chunks)
         budget = 2 * planned * page
         refused, pool_pages, message = refused_without_host_tier(integ, runner, budget)
+        evicted = worker_default_evicts(integ, runner, budget)
+        # a host tier of two planned peaks: one parked session plus the swap-in room admissions keep free
         integ.install(budget_bytes=budget, host_budget_bytes=budget)
         try:
-            sessions = [RealtimeSession() for _ in range(SESSIONS)]
-            equal, after = [], []
+            sessions, equal, after = session_cache(SESSIONS), [], []
+            runner.bound.clear()
             for k in chunks:
-                for s, session in enumerate(sessions):
-                    equal.append(torch.equal(runner.call(s, session, k), want[s][k]))
-                    pool = integ.shared_pool("cpu")  # made at the first allocation, at the planner's page
-                    manager = sglang_sessions.manager_for(pool)
-                    host = manager.host_pool
-                    open_ = [x for x in (kept(y) for y in sessions) if x is not None]
+                for s in range(SESSIONS):
+                    equal.append(torch.equal(runner.call(s, sessions, k), want[s][k]))
+                    manager = sglang_manager(integ)  # the pool is made at the first allocation (the planner's page)
+                    pool, host = manager.pool, manager.host_pool
+                    open_ = [kept(runner.bound[x]) for x in sorted(runner.bound)]
                     resident = sum(x.held_pages() for x in open_ if not x.swapped)
                     parked = sum(host.pages_of(c.owner) for x in open_ if x.swapped for cs in x.caches for c in cs)
                     after.append([used(pool), resident, used(host), parked])
                     pool.check()
                     host.check()
-            outs, ins, swapped_at_end = manager.swapped_out_total, manager.swapped_in_total, kept(sessions[0]).swapped
-            for session in sessions:
-                session.dispose()  # SGLang releases the realtime sessions (a swapped one's host pages go back)
-            after_dispose = [used(pool), used(host), manager.open_sessions]
+            outs, ins = manager.swapped_out_total, manager.swapped_in_total
+            swapped_at_end = [kept(runner.bound[s]).swapped for s in range(SESSIONS)]
+            for s in range(SESSIONS):
+                sessions.release(f"session{s}")  # SGLang releases them (a swapped one's host pages go back)
+            after_release = [used(pool), used(host), manager.open_sessions]
         finally:
             integ.uninstall()
     return {
@@ -179,9 +209,10 @@ def main(src: str) -> dict:
         "chunks_equal_one_at_a_time": equal,
         "swapped_out_total": outs,
         "swapped_in_total": ins,
-        "first_session_swapped_at_end": swapped_at_end,
+        "swapped_at_end": swapped_at_end,
         "after_each_call": after,
-        "after_dispose": after_dispose,
+        "after_release": after_release,
+        "worker_default_max_sessions_1": evicted,
     }
 
 

@@ -383,11 +383,53 @@ def test_a_host_budget_below_one_page_is_refused_before_any_cache_is_built(reset
     assert debug_state(pool) == before and integration().pools == {} and integration().host_pools == {}
 
 
+def test_the_plugin_configures_and_logs_the_host_tier(monkeypatch, caplog):
+    """register() with PAGEDQVG_HOST_BUDGET: the startup line gives the host tier's size; the worker's first
+    allocation makes the pool and its CPU host pool (same page) and logs both; each request's line gives the host
+    pages in use and the swap counts."""
+    import logging
+
+    from pagedqvg.integrations.sglang.versions import CURRENT, targets_for
+
+    for key in [k for k in os.environ if k.startswith("PAGEDQVG")]:
+        monkeypatch.delenv(key)
+    monkeypatch.setenv("PAGEDQVG_BUDGET", "2MiB")
+    monkeypatch.setenv("PAGEDQVG_HOST_BUDGET", "4MiB")
+    monkeypatch.setattr(plugin, "_check_sglang_version", lambda: targets_for(CURRENT))
+    name = "sglang.multimodal_gen.runtime.platforms.plugins"
+    parts = name.split(".")
+    for i in range(1, len(parts) + 1):
+        monkeypatch.setitem(sys.modules, ".".join(parts[:i]), types.ModuleType(".".join(parts[:i])))
+    sys.modules[name].HookType = types.SimpleNamespace(AROUND="around", BEFORE="before")
+    sys.modules[name].plugin_hook = lambda target, kind: lambda fn: fn
+    monkeypatch.setattr(integration(), "request_listeners", [])
+    monkeypatch.setattr(integration(), "cache_listeners", [])
+    try:
+        with caplog.at_level(logging.INFO, logger="pagedqvg.sglang"):
+            plugin.register()
+            assert integration().host_budget_bytes == 4 << 20 and integration().budget_bytes == 2 << 20
+            assert f"budget {2 << 20} bytes, host tier {4 << 20} bytes (PAGEDQVG_HOST_BUDGET" in caplog.text
+            rt = new_session()
+            chunk_call(RealtimeStage(), rt, 0, 0)
+        pool = integration().shared_pool("cpu")
+        host = integration().host_pool_for(pool)
+        assert sess.manager_for(pool).host_pool is host and host.page_bytes == pool.page_bytes
+        assert host.num_pages == (4 << 20) // pool.page_bytes and host.device.type == "cpu" and not host.pinned
+        assert f"host tier cpu: {host.num_pages * host.page_bytes} bytes in {host.num_pages} pages" in caplog.text
+        assert f"host tier 0 of {host.num_pages} pages in use (swapped-out sessions); 0 swap-outs" in caplog.text
+        dispose(rt)
+        assert used(pool) == 0 and used(host) == 0
+    finally:
+        integration().reset()
+
+
 @pytest.mark.skipif(not os.environ.get("PAGEDQVG_SGLANG_SRC"), reason="PAGEDQVG_SGLANG_SRC (SGLang source) unset")
 def test_real_lingbot_realtime_sessions_on_the_host_tier():
-    """tests/sglang_lingbot_host_tier.py: SGLang's LingBot-World stage, three RealtimeSessions called round-robin on
-    a pool that holds two (sized from the planner's census), a host tier: every chunk torch.equal to the sessions run
-    one at a time on a big pool; without the host tier the third is refused."""
+    """tests/sglang_lingbot_host_tier.py: SGLang's LingBot-World stage, three RealtimeSessions (bound by id through
+    SGLang's RealtimeSessionCache) called round-robin on a pool that holds two (sized from the planner's census), a
+    host tier: every chunk torch.equal to the sessions run one at a time on a big pool, 0 pages on both tiers after
+    SGLang releases them; without the host tier the third is refused; with the worker's max_sessions=1 the second
+    session evicts the first (its pages back)."""
     here = os.path.dirname(os.path.abspath(__file__))
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([os.path.dirname(here), *sys.path])}
     proc = subprocess.run(
@@ -402,4 +444,9 @@ def test_real_lingbot_realtime_sessions_on_the_host_tier():
     assert all(res["chunks_equal_one_at_a_time"]) and len(res["chunks_equal_one_at_a_time"]) == res["calls"]
     assert res["swapped_out_total"] >= 1 and res["swapped_in_total"] >= 1
     assert all(device == resident and host == parked for device, resident, host, parked in res["after_each_call"])
-    assert res["after_dispose"] == [0, 0, 0]
+    assert max(device for device, _, _, _ in res["after_each_call"]) <= res["pool_pages"]
+    assert any(res["swapped_at_end"]) and max(host for _, _, host, _ in res["after_each_call"]) > 0
+    assert res["after_release"] == [0, 0, 0]
+    # SGLang's worker binds sessions through RealtimeSessionCache(max_sessions=1): the second evicts the first
+    first, second, released = res["worker_default_max_sessions_1"]
+    assert first[2] == second[2] == 1 and first[1] == second[1] == 0 and released == [0, 0, 0]
