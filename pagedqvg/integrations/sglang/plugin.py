@@ -118,15 +118,14 @@ class PluginSettings:
     host_budget_bytes: int | None = None
 
     def describe(self) -> str:
-        """One line: the budget per rank, the host tier, the quantization and the attention mode."""
+        """One line: the budget per rank, the host tier (when there is one), the quantization and the attention
+        mode."""
         size = f"budget {self.budget_bytes} bytes" if self.budget_bytes else f"{self.memory_fraction} of free memory"
         if self.host_budget_bytes:
             size += (
                 f", host tier {self.host_budget_bytes} bytes ({ENV_HOST_BUDGET}: idle realtime sessions swapped out "
                 f"when a session does not fit)"
             )
-        else:
-            size += ", no host tier"
         cfg = self.quant
         if cfg is None:
             quant = "each stage's own (dense unless LingBot-World's --kv-cache-quant)"
