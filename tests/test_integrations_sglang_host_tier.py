@@ -191,6 +191,7 @@ def test_round_robin_realtime_sessions_swap_out_and_back_bit_equal(reset, quant_
             assert not lists[s].session.swapped, "the session just called is resident"
             assert used(pool) == sum(x.held_pages() for x in resident), "device: only resident realtime sessions"
             assert used(host) == sum(host_held(x) for x in swapped), "host: only swapped ones"
+            assert sess.host_pages_in_use([pool]) == used(host) and sess.pages_in_use([pool]) == used(pool)
             assert len(resident) <= 2 and manager.open_sessions == len(lists)
             pool.check()
             host.check()
