@@ -338,14 +338,14 @@ def _announce_caches(stage: Any, caches: list) -> None:
     kinds = "/".join(sorted({type(c).__name__ for c in caches}))
     for key, pool in sorted(pools.items()):
         host = integ.host_pool_for(pool)
-        tier = "no host tier" if host is None else (
-            f"host tier {host.device}: {host.num_pages * host.page_bytes} bytes in {host.num_pages} pages "
+        tier = "" if host is None else (
+            f"; host tier {host.device}: {host.num_pages * host.page_bytes} bytes in {host.num_pages} pages "
             f"(idle sessions swapped out when a session does not fit)"
         )  # fmt: skip
         _say(
             logging.INFO,
             f"pagedqvg: {type(stage).__name__} got {len(caches)} {kinds} caches; pool {key}: "
-            f"{pool.num_pages * pool.page_bytes} bytes in {pool.num_pages} pages of {pool.page_bytes} bytes; {tier}",
+            f"{pool.num_pages * pool.page_bytes} bytes in {pool.num_pages} pages of {pool.page_bytes} bytes{tier}",
         )
     for key, shape, waste in fresh:
         _say(logging.INFO, f"pagedqvg: pool {key} ({integ.pools[key].page_bytes} B pages): caches of "
