@@ -213,8 +213,9 @@ def heads_attention(original: Any, layer: Any, q: torch.Tensor, pending: Any) ->
     plan = pending.plan
     group = _group_size(B, Tq, hin, D, cache.dtype, plan.tokens, cache.device)
     backend = layer.backend.name
+    groups = -(-hin // group)
     _log_once(f"pagedqvg: attention heads: SGLang's LocalAttention.forward ({backend}) per group of {group} heads "
-              f"(calls of {hin} heads: {-(-hin // group)} groups)")  # fmt: skip
+              f"(calls of {hin} heads: {groups} group{'s' if groups > 1 else ''})")  # fmt: skip
     n = group_buffer_numel(cache._io, plan, group)
     if cache.reuse_view_buffer:
         buffer = cache.pool.view_buffer(n, cache.dtype)
