@@ -54,7 +54,8 @@ def measure_branches(
     plan = account_branches(geom, branches, history, diverge)
     page = geom.page_bytes
     spec = session_spec(geom, history + diverge)
-    divergence = max(plan.exclusive_pages) if diverge else 0
+    # the forks' reservation: the planned divergence, at least the current chunk (what SessionManager.fork reserves)
+    divergence = max(max(plan.exclusive_pages), geom.caches * geom.dense.pages_for_tokens(geom.chunk_tokens))
     from pagedqvg.serving.sessions import planned_session_pages
 
     capacity = max(plan.high_water, planned_session_pages(spec, page) + (branches - 1) * divergence, 1)
@@ -102,20 +103,25 @@ def measure_branches(
     finally:
         mgr.close_all()
     pool.check()
-    left = pool.stats().used_pages
+    calls, wrong = _compare(plan, measured, used, pool.stats().used_pages)
+    doc.update(
+        mismatches=calls, figures_equal=not wrong, mismatch_text="; ".join(wrong),
+        measured_high_water_pages=measured["high_water"], measured_pages=used[-1] if used else 0,
+        measured_shared_pages=measured["shared_pages"], measured_exclusive_pages=measured["exclusive_pages"],
+        measured_pool_pages=pool.num_pages, measured_device=str(pool.device),
+    )  # fmt: skip
+    return doc
+
+
+def _compare(plan, measured: dict[str, object], used: list[int], left: int) -> tuple[int, list[str]]:
+    """(calls whose pool pages differ, every difference in words) between the plan (`BranchAccount`) and a run."""
     wrong = [f"{k} {measured[k]} != planned {getattr(plan, k)}" for k in measured if measured[k] != getattr(plan, k)]
     if left:
         wrong.append(f"{left} pages left after closing every branch")
     calls = [i for i, (a, b) in enumerate(zip(plan.used, used, strict=True)) if a != b]
     if calls:
         wrong.insert(0, f"call {calls[0]}: {used[calls[0]]} pages measured, {plan.used[calls[0]]} planned")
-    doc.update(
-        mismatches=len(calls), figures_equal=not wrong, mismatch_text="; ".join(wrong),
-        measured_high_water_pages=measured["high_water"], measured_pages=used[-1] if used else 0,
-        measured_shared_pages=measured["shared_pages"], measured_exclusive_pages=measured["exclusive_pages"],
-        measured_pool_pages=pool.num_pages, measured_device=str(pool.device),
-    )  # fmt: skip
-    return doc
+    return len(calls), wrong
 
 
 def _run_session(session: Session, geom: Geometry, chunks: int, seed: int) -> None:

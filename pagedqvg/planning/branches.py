@@ -420,8 +420,11 @@ def format_branches(doc: dict[str, object]) -> str:
         lines.append(
             f"  budget          pool of {doc['pool_pages']:,} pages: {doc['branches']} branch(es) "
             f"{'fit' if doc['fits'] else 'do NOT fit'}; at most {doc['max_branches']:,} branch(es) fit"
-            + (f" (searched up to {doc['max_branches_limit']:,})" if doc["max_branches"] == doc["max_branches_limit"]
-               else "")
+            + (
+                f" (searched up to {doc['max_branches_limit']:,})"
+                if doc["max_branches"] == doc["max_branches_limit"]
+                else ""
+            )
         )
     if "mismatches" in doc:
         lines.append(

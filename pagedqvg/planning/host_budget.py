@@ -90,6 +90,7 @@ def format_host(doc: dict[str, object]) -> str:
     """The human lines of `host_report` (and of its measured twin, `cli/fork_sim.py`)."""
     from pagedqvg.allocator import format_bytes
 
+    ratio = "no session fits the device" if doc["open_over_resident"] is None else f"{doc['open_over_resident']}x"
     lines = [
         f"host tier: device pool of {doc['device_pool_pages']:,} pages "
         f"({format_bytes(int(doc['device_pool_bytes']))}), host budget {format_bytes(int(doc['host_budget_bytes']))} "
@@ -99,15 +100,16 @@ def format_host(doc: dict[str, object]) -> str:
         f"  parked    {doc['parked_sessions']:,} session(s), each holding its window's "
         f"{doc['parked_session_pages']:,} pages ({format_bytes(int(doc['parked_session_bytes']))}) on the host",
         f"  open      {doc['open_sessions']:,} session(s) per device vs {doc['without_host_tier']:,} without a host "
-        f"tier ({doc['open_over_resident']}x); {doc['rotating_sessions']:,} rotate with every call served "
+        f"tier ({ratio}); {doc['rotating_sessions']:,} rotate with every call served "
         "(a swap-in needs one free slot on either tier)",
     ]
     if "measured" in doc:
         m = doc["measured"]
         assert isinstance(m, dict)
+        verdict = "yes" if doc["mismatches"] == 0 else f"NO ({doc['mismatch_text']})"
         lines.append(
             f"  measured (real caches, SessionManager.swap_out/swap_in): {m['resident_sessions']} resident, "
             f"{m['parked_sessions']} parked, {m['swap_out_pages']} pages per swap-out, {m['swap_in_pages']} per "
-            f"swap-in; plan == measured: {'yes' if doc['mismatches'] == 0 else 'NO (' + str(doc['mismatch_text']) + ')'}"
+            f"swap-in; plan == measured: {verdict}"
         )
     return "\n".join(lines)
