@@ -39,11 +39,10 @@ import torch
 
 import pagedqvg.cache.paged_cache as paged_cache
 from pagedqvg import BlockPool
-from pagedqvg.cli.fork_sim import measure_branches, session_spec
-from pagedqvg.planning.branches import branches_report, default_history, independent_sessions
+from pagedqvg.cli.fork_sim import measure_branches, measure_independent, session_spec
+from pagedqvg.planning.branches import branches_report, default_history
 from pagedqvg.planning.geometry import Geometry
 from pagedqvg.planning.presets import RECOMMENDED_TIERS, get_preset
-from pagedqvg.planning.stagger import measure_staggered
 from pagedqvg.serving.sessions import SessionManager, SessionSpec, _current_chunk_pages, planned_session_pages
 
 BRANCHES = 8
@@ -154,14 +153,11 @@ def branch_figures(geom: Geometry, full: Geometry) -> dict[str, object]:
     history = default_history(geom)
     doc = measure_branches(geom, BRANCHES, 1, history)
     end, ind = doc["end"], doc["independent"]
-    planned_used = ind["pages"]
-    measured_used, measured_peak = measure_staggered(geom, 0, [history + 1] * BRANCHES)
-    ind_end, ind_peak = independent_sessions(geom, BRANCHES, history + 1)
-    # the pages before the closes of the last tick (stagger closes every session at its end)
-    closes = BRANCHES * geom.caches
-    ind_measured_end = measured_used[-closes - 1]
+    alone = measure_independent(geom, BRANCHES, history + 1)
+    ind_measured_end, measured_peak = alone["pages"], alone["high_water_pages"]
+    ind_end, ind_peak = alone["planned_pages"], alone["planned_high_water_pages"]
+    assert ind["pages"] == ind_end
     big = branches_report(full, BRANCHES, 1)
-    assert planned_used == ind_end
     return dict(
         branches=BRANCHES, branch_history_chunks=history, branch_history_pages=doc["history"]["pages"],
         branch_history_packed_pages=doc["history"]["packed_pages"],
@@ -213,30 +209,41 @@ def swap_figures(spec: SessionSpec, chunks: int, page_bytes: int) -> dict[str, o
     )  # fmt: skip
 
 
-def run(quick: bool, fork_layers: int, layers: int, heads: int, repeats: int) -> dict[str, object]:
+def run(args: argparse.Namespace) -> dict[str, object]:
     w = get_preset("lingbot-world")
-    tpf = 256 if quick else w.tokens_per_frame
-    full = make_geometry(fork_layers, 2 if quick else w.heads, tpf)  # the fork figures' shape
-    small = make_geometry(layers, 2 if quick else heads, tpf)
+    if args.quick:
+        args.fork_heads, args.fork_tokens_per_frame, args.tokens_per_frame = 2, 64, 64
+    full = make_geometry(args.fork_layers, args.fork_heads, args.fork_tokens_per_frame)  # the fork figures' shape
+    small = dataclasses.replace(make_geometry(args.layers, args.heads, args.tokens_per_frame),
+                                denoise_steps=args.denoise_steps)  # fmt: skip
     _count_copies()
     out: dict[str, object] = dict(
-        fork_shape=f"lingbot-world, {fork_layers} layer(s) x {full.heads} heads x {full.head_dim}, {tpf} tokens/frame, "
-        f"chunk {full.chunk_tokens} tokens, compact(sink int4, recent int4), {full.page_bytes:,} B pages",
-        shape=f"lingbot-world, {layers} layer(s) x {small.heads} heads x {small.head_dim}, {tpf} tokens/frame, "
-        f"compact(sink int4, recent int4), {small.page_bytes:,} B pages",
-        quick=quick, threads=torch.get_num_threads(),
+        fork_shape=f"lingbot-world, {args.fork_layers} layer(s) x {full.heads} heads x {full.head_dim}, "
+        f"{args.fork_tokens_per_frame} tokens/frame, chunk {full.chunk_tokens} tokens, compact(sink int4, recent "
+        f"int4), {full.page_bytes:,} B pages",
+        shape=f"lingbot-world, {args.layers} layer(s) x {small.heads} heads x {small.head_dim}, "
+        f"{args.tokens_per_frame} tokens/frame, {small.denoise_steps} denoise step(s), compact(sink int4, recent "
+        f"int4), {small.page_bytes:,} B pages",
+        quick=args.quick, threads=torch.get_num_threads(),
     )  # fmt: skip
     t0 = time.perf_counter()
     history = default_history(full)
     out["fork_after_chunks"] = history
-    out.update(fork_figures(make_spec(full), history, repeats, full.page_bytes))
+    out.update(fork_figures(make_spec(full), history, args.repeats, full.page_bytes))
     out["fork_seconds"] = round(time.perf_counter() - t0, 1)
-    out.update(branch_figures(small, make_geometry(w.layers, w.heads, tpf)))
+    print(f"fork figures done in {out['fork_seconds']} s", file=sys.stderr, flush=True)
+    # the pages do not depend on the denoise steps (a rewrite takes none): the plan at LingBot-World's 4 equals 1's
+    four = branches_report(dataclasses.replace(small, denoise_steps=w.denoise_steps), BRANCHES, 1)
+    one = branches_report(small, BRANCHES, 1)
+    out["planned_pages_equal_at_4_denoise_steps"] = all(four[k] == one[k] for k in ("history", "end", "independent"))
+    out.update(branch_figures(small, make_geometry(w.layers, w.heads, w.tokens_per_frame)))
+    print(f"branch figures done in {round(time.perf_counter() - t0, 1)} s", file=sys.stderr, flush=True)
     out.update(swap_figures(make_spec(small), default_history(small), small.page_bytes))
     out["planned_equals_measured"] = bool(
         out["forked_plan_mismatching_calls"] == 0 and out["forked_plan_figures_equal"]
         and out["independent_pages"] == out["independent_planned_pages"]
         and out["independent_high_water_pages"] == out["independent_planned_high_water_pages"]
+        and out["planned_pages_equal_at_4_denoise_steps"]
     )  # fmt: skip
     out["seconds"] = round(time.perf_counter() - t0, 1)
     return out
@@ -244,14 +251,19 @@ def run(quick: bool, fork_layers: int, layers: int, heads: int, repeats: int) ->
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--quick", action="store_true", help="256 tokens per frame, 2 heads everywhere")
+    ap.add_argument("--quick", action="store_true", help="2 heads and 64 tokens per frame everywhere (a smoke run)")
     ap.add_argument("--fork-layers", type=int, default=1, help="layers of the full-shape session the fork times")
+    ap.add_argument("--fork-heads", type=int, default=40, help="heads of that session (LingBot-World's 40)")
+    ap.add_argument("--fork-tokens-per-frame", type=int, default=1560, help="its tokens per frame (1,560)")
     ap.add_argument("--layers", type=int, default=1, help="layers of the branches-vs-sessions and swap runs")
-    ap.add_argument("--heads", type=int, default=2, help="heads of the branches-vs-sessions and swap runs")
+    ap.add_argument("--heads", type=int, default=2, help="heads of those runs")
+    ap.add_argument("--tokens-per-frame", type=int, default=256, help="tokens per frame of those runs")
+    ap.add_argument("--denoise-steps", type=int, default=1, help="denoise steps of those runs (pages do not depend "
+                    "on them: the plan at 4 is checked equal)")  # fmt: skip
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--json", help="also write the figures to this file")
     args = ap.parse_args()
-    out = run(args.quick, args.fork_layers, args.layers, args.heads, args.repeats)
+    out = run(args)
     print("| figure | value |\n|---|---|")
     for k, v in out.items():
         print(f"| {k} | {v:,} |" if isinstance(v, int) and not isinstance(v, bool) else f"| {k} | {v} |")

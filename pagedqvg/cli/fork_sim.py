@@ -124,6 +124,38 @@ def _compare(plan, measured: dict[str, object], used: list[int], left: int) -> t
     return len(calls), wrong
 
 
+def measure_independent(geom: Geometry, sessions: int, chunks: int, *, device: str = "cpu", seed: int = 0) -> dict:
+    """`sessions` unforked sessions of `geom` opened by a `SessionManager` and run in step for `chunks` chunks (per
+    chunk, per denoise step, session by session, each cache in turn) on a pool of twice their planned peak: the
+    measured pages at the end and high water next to the planner's (`branches.independent_sessions`)."""
+    from pagedqvg.planning.branches import independent_sessions
+
+    end, peak = independent_sessions(geom, sessions, chunks)
+    spec = session_spec(geom, chunks)
+    pool = BlockPool(capacity_bytes=2 * max(peak, 1) * geom.page_bytes, page_bytes=geom.page_bytes, device=device)
+    mgr = SessionManager(pool)
+    n, frames = geom.chunk_tokens, geom.chunk_tokens // geom.tokens_per_frame
+    try:
+        opened = [mgr.open(spec, name=f"s{j}") for j in range(sessions)]
+        for k in range(chunks):
+            data = [chunk_kv(geom, frames, k, seed + 1000 * j, pool.device) for j in range(sessions)]
+            for _ in range(geom.denoise_steps + 1):
+                for s, (key, value) in zip(opened, data, strict=True):
+                    for cache in (c for cs in s.caches for c in cs):
+                        with torch.no_grad():
+                            cache.update_and_get_attention_kv(key=key, value=value, current_chunk_start=k * n)
+            for s in opened:
+                if geom.scene_cut_every and k > 0 and k % geom.scene_cut_every == 0:
+                    for cache in (c for cs in s.caches for c in cs):
+                        cache.pin_current_chunk(n)
+        st = pool.stats()
+    finally:
+        mgr.close_all()
+    pool.check()
+    return {"planned_pages": end, "planned_high_water_pages": peak, "pages": st.used_pages,
+            "high_water_pages": st.high_water_pages}  # fmt: skip
+
+
 def _run_session(session: Session, geom: Geometry, chunks: int, seed: int) -> None:
     """`chunks` chunks of the planner's call pattern on every cache of `session` (no pins: SessionSpec has none)."""
     n, frames = geom.chunk_tokens, geom.chunk_tokens // geom.tokens_per_frame
