@@ -1,11 +1,12 @@
 """Copy-on-write forks and the host tier on LingBot-World's shape, CPU.
 
-    python benchmarks/bench_forks.py [--quick] [--fork-layers 1] [--layers 1] [--heads 2] [--repeats 3] [--json PATH]
+    python benchmarks/bench_forks.py [--quick] [--fork-layers 1] [--fork-heads 40] [--fork-tokens-per-frame 1560]
+        [--layers 1] [--heads 2] [--tokens-per-frame 256] [--denoise-steps 1] [--repeats 3] [--json PATH]
 
 The session: `get_preset("lingbot-world")` (1,560 tokens per frame, chunks of 3 frames, a 3-frame sink, an 18-frame
 window, 4 denoise steps), head_dim 128, the recommended tiers `QuantConfig.compact(sink_format="int4",
 recent_format="int4")`, run in the planner's call pattern (advance, denoise rewrites, clean pass) to its steady state
-(the planner's warm-up: 7 chunks, aged chunks packed) before any fork. `--quick`: 256 tokens per frame, 2 heads.
+(the planner's warm-up: 7 chunks, aged chunks packed) before any fork. `--quick`: 64 tokens per frame, 2 heads.
 Measured (nothing hard-coded):
 
 1. At the full shape (40 heads x 128, 1,560 tokens per frame) for `--fork-layers` layers (all 40 do not fit this
