@@ -103,8 +103,9 @@ def _cuda_missing(_args: argparse.Namespace) -> str:
     return "" if torch.cuda.is_available() else "no CUDA device on this machine"
 
 
-#: bench_forks.py's shapes: the committed JSON's (1 layer x 2 heads of LingBot-World, 4 chunks; ~6 min on 2 cores).
-_FORKS_FULL = ("--layers", "1", "--heads", "2", "--chunks", "4", "--repeats", "3", "--json",
+#: bench_forks.py's shapes: the committed JSON's (the fork timed on 1 layer of 40 heads x 128 at 64 tokens per frame;
+#: 8 branches vs 8 sessions and the swap at 1 layer x 2 heads, 64 tokens per frame; ~6 min on 2 busy cores).
+_FORKS_FULL = ("--fork-heads", "40", "--fork-tokens-per-frame", "64", "--tokens-per-frame", "64", "--json",
                str(BENCH / "results" / "bench_forks.json"))  # fmt: skip
 _FORKS_QUICK = ("--quick",)
 

@@ -106,6 +106,38 @@ def _add_common(p: argparse.ArgumentParser, default_preset: str, *, simulate: bo
         )
 
 
+def _add_fork_args(p: argparse.ArgumentParser, *, simulate: bool) -> None:
+    """--branches / --diverge-chunks / --fork-at-chunk and --host-budget (planning/branches.py, host_budget.py)."""
+    g = p.add_argument_group("branches and the host tier (planning/branches.py, planning/host_budget.py)")
+    g.add_argument(
+        "--branches",
+        type=int_arg(1),
+        metavar="N",
+        help="N copy-on-write branches of one session (SessionManager.fork at a chunk boundary, the session itself "
+        "included), each then running --diverge-chunks chunks of its own, in step: the shared history (held once) "
+        "and each branch's divergence vs N independent sessions"
+        + ("; measured through SessionManager.fork" if simulate else "; with a budget, how many branches fit"),
+    )
+    g.add_argument("--diverge-chunks", type=int_arg(0), metavar="K", help="with --branches: chunks each branch runs "
+                   "after the fork (default 1)")  # fmt: skip
+    g.add_argument(
+        "--fork-at-chunk",
+        type=int_arg(1),
+        metavar="P",
+        help="with --branches: chunks the session runs before the fork (default: its warm-up to the steady state)",
+    )
+    g.add_argument(
+        "--host-budget",
+        type=size_arg("--host-budget", example="64GiB"),
+        metavar="SIZE",
+        help="host memory for parked sessions (SessionManager.swap_out): sessions per device resident and parked"
+        + ("; needs --budget (the device pool), measured through swap_out/swap_in" if simulate else
+           "; needs a device budget (--budget, --gpu or --memory-fraction)"),
+    )  # fmt: skip
+    if simulate:
+        g.add_argument("--budget", type=size_arg("--budget"), help="with --host-budget: the device budget, e.g. 4MiB")
+
+
 def _add_attention_arg(plan: argparse.ArgumentParser) -> None:
     plan.add_argument(
         "--attention",
@@ -165,6 +197,7 @@ def build_parser() -> argparse.ArgumentParser:
         "--device", default=None, help="device for --memory-fraction without --gpu (default cuda if present)"
     )
     _add_attention_arg(plan)
+    _add_fork_args(plan, simulate=False)
     plan.add_argument("--json", action="store_true", help="print JSON instead of a table")
     plan.set_defaults(func=cmd_plan)
 
@@ -177,6 +210,7 @@ def build_parser() -> argparse.ArgumentParser:
         "1: they do not; 2: bad input.",
     )
     _add_common(sim, DEFAULT_SIMULATE_PRESET, simulate=True)
+    _add_fork_args(sim, simulate=True)
     sim.add_argument("--out", default=DEFAULT_OUT_DIR, help=f"output directory (default {DEFAULT_OUT_DIR}/)")
     sim.add_argument(
         "--dry-run", action="store_true", help="accounting only, at full size, without tensors (seconds on a CPU)"
@@ -200,6 +234,8 @@ def cmd_plan(args: argparse.Namespace) -> int:
     w = workload_from_args(args)
     if args.stagger is not None:
         return _cmd_stagger(args, w, measure=False)
+    if args.branches is not None or args.host_budget is not None:
+        return _cmd_forks(args, w, measure=False)
     budget = resolve_budget(args, w)
     doc = build_plan(w, budget, attention=args.attention, head_group=args.head_group)
     print(json.dumps(doc, indent=2) if args.json else format_plan(doc))
@@ -213,6 +249,8 @@ def cmd_simulate(args: argparse.Namespace) -> int:
     w = workload_from_args(args)
     if args.stagger is not None:
         return _cmd_stagger(args, w, measure=not args.dry_run)
+    if args.branches is not None or args.host_budget is not None:
+        return _cmd_forks(args, w, measure=not args.dry_run)
     geom = Geometry.from_workload(w)
     device = args.device or "cpu"
     seed = args.seed or 0
@@ -269,6 +307,53 @@ def _cmd_stagger(args: argparse.Namespace, w, *, measure: bool) -> int:
         doc["budget"] = stagger_budget(doc, geom, budget)
     print(json.dumps(doc, indent=2) if args.json else format_stagger(doc))
     return 1 if doc.get("mismatches") else 0
+
+
+def _cmd_forks(args: argparse.Namespace, w, *, measure: bool) -> int:
+    """`plan` / `simulate` with `--branches` or `--host-budget` (planning/branches.py, planning/host_budget.py;
+    measured by cli/fork_sim.py); exit 1 when a measured figure differs from the plan."""
+    from pagedqvg.planning.branches import branches_report, format_branches
+    from pagedqvg.planning.host_budget import format_host, host_report
+
+    geom = Geometry.from_workload(w)
+    device = args.device or "cpu"
+    pool_pages = None
+    if args.command == "plan":
+        budget = resolve_budget(args, w)
+        budget_doc = budget.as_dict() if budget is not None else None
+        budget_bytes = budget.bytes if budget is not None else None
+    else:
+        budget_bytes = args.budget
+        budget_doc = {"bytes": args.budget, "source": "--budget"} if args.budget is not None else None
+    if budget_bytes is not None:
+        transient = plan_geometry(geom).view_bytes
+        pool_pages = max(0, budget_bytes - transient) // geom.page_bytes
+        budget_doc = {**(budget_doc or {}), "transient_bytes": transient, "pool_pages": pool_pages}
+    if args.branches is not None:
+        diverge = 1 if args.diverge_chunks is None else args.diverge_chunks
+        if measure:
+            from pagedqvg.cli.fork_sim import measure_branches
+
+            doc = measure_branches(geom, args.branches, diverge, args.fork_at_chunk, device=device, seed=args.seed or 0)
+        else:
+            doc = branches_report(geom, args.branches, diverge, args.fork_at_chunk, pool_pages=pool_pages)
+        text = format_branches(doc)
+        bad = bool(doc.get("mismatches")) or doc.get("figures_equal") is False
+    else:
+        assert pool_pages is not None  # check_combinations: --host-budget needs a device budget
+        if measure:
+            from pagedqvg.cli.fork_sim import measure_host
+
+            doc = measure_host(geom, pool_pages, args.host_budget, device=device)
+        else:
+            doc = host_report(geom, pool_pages, args.host_budget)
+        text = format_host(doc)
+        bad = bool(doc.get("mismatches"))
+    if budget_doc is not None:
+        doc["budget"] = budget_doc
+    doc = {"schema": "pagedqvg.forks/1", "workload": w.as_dict(), **doc}
+    print(json.dumps(doc, indent=2) if args.json else text)
+    return 1 if bad else 0
 
 
 # ---------------------------------------------------------------------------------------------------- main

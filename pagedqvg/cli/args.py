@@ -267,6 +267,7 @@ def check_combinations(args: argparse.Namespace, typed: set[str]) -> None:
             raise UsageError(f"{a} and {b} together: {why}; give one")
     if args.device is not None:
         check_device(args.device)
+    _check_fork_flags(args, typed)
     if args.command == "plan":
         if args.chunks is not None:
             raise UsageError(
@@ -291,6 +292,38 @@ def check_combinations(args: argparse.Namespace, typed: set[str]) -> None:
             for flag in ("--device", "--seed"):
                 if flag in typed:
                     raise UsageError(f"--dry-run and {flag} together: the dry run uses no device and no data")
+
+
+def _check_fork_flags(args: argparse.Namespace, typed: set[str]) -> None:
+    """UsageError naming the flags when --branches / --host-budget and their companions mean nothing together."""
+    branches, host = getattr(args, "branches", None), getattr(args, "host_budget", None)
+    for flag in ("--diverge-chunks", "--fork-at-chunk"):
+        if flag in typed and branches is None:
+            raise UsageError(f"{flag} applies to --branches N only; add --branches N (N >= 1) or drop {flag}")
+    if branches is not None and host is not None:
+        raise UsageError("--branches and --host-budget together: plan one at a time (branches of one session, or "
+                         "sessions per device with a host tier)")  # fmt: skip
+    if branches is None and host is None:
+        if args.command == "simulate" and getattr(args, "budget", None) is not None:
+            raise UsageError("--budget applies to pagedqvg simulate only with --host-budget (the device pool beside "
+                             "the host tier); drop it, or add --host-budget SIZE")  # fmt: skip
+        return
+    flag = "--branches" if branches is not None else "--host-budget"
+    for other in ("--stagger", "--session-chunks", "--sessions"):
+        if other in typed:
+            raise UsageError(f"{flag} and {other} together: {flag} plans one session's caches (its branches, or how "
+                             f"many sessions fit); drop {other}")  # fmt: skip
+    if args.command == "simulate" and "--chunks" in typed:
+        raise UsageError(f"{flag} and --chunks together: " + ("the session runs --fork-at-chunk chunks, then "
+                         "--diverge-chunks per branch" if branches is not None else "each session runs to its steady "
+                         "state"))  # fmt: skip
+    if host is not None:
+        if args.command == "plan" and args.budget is None and args.gpu is None and args.memory_fraction is None:
+            raise UsageError("--host-budget needs a device budget beside it: add --budget SIZE, --gpu NAME or "
+                             "--memory-fraction F (the device pool its resident sessions share)")  # fmt: skip
+        if args.command == "simulate" and args.budget is None:
+            raise UsageError("--host-budget needs --budget SIZE beside it in pagedqvg simulate (the device pool its "
+                             "resident sessions share, e.g. --budget 4MiB)")  # fmt: skip
 
 
 def workload_from_args(args: argparse.Namespace) -> Workload:
