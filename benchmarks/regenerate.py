@@ -213,6 +213,12 @@ BENCHMARKS: tuple[Benchmark, ...] = (
         lambda a: [_script("bench_forks.py", *(_FORKS_QUICK if a.quick else _FORKS_FULL))],
     ),
     Benchmark(
+        "host_tier",
+        "sessions per device with a host tier of 2x the budget vs plain admission, 10,000 opens (bench_host_tier.py)",
+        lambda a: [_script("bench_host_tier.py", *(("--sessions", "1000", "--calls", "300", "--json", "")
+                                                   if a.quick else ()))],
+    ),
+    Benchmark(
         "kernels_cuda",
         "Triton kernels on a GPU (bench_kernels_cuda.py)",
         lambda _a: [_script("bench_kernels_cuda.py")],
