@@ -59,9 +59,11 @@ cd "$repo"
 PAGEDQVG_SGLANG_SRC="$work/src" "$PYTHON" -m pytest -q -p no:cacheprovider tests/test_integrations_sglang_pages.py \
   -k real_longlive2
 # Sessions on SGLang's real LingBot-World stage forward and RealtimeSession (pages kept across realtime calls, 0 after
-# dispose and after one-shot calls): tests/test_integrations_sglang_sessions.py's real-stage test (~1 min).
+# dispose and after one-shot calls): tests/test_integrations_sglang_sessions.py's real-stage test (~1 min); and the
+# host tier there (tests/test_integrations_sglang_host_tier.py: 3 realtime sessions on a pool of two planned peaks,
+# swapped out between calls and back at the next one, every chunk equal to the sessions run alone).
 PAGEDQVG_SGLANG_SRC="$work/src" "$PYTHON" -m pytest -q -p no:cacheprovider tests/test_integrations_sglang_sessions.py \
-  -k real_lingbot
+  tests/test_integrations_sglang_host_tier.py -k real_lingbot
 # The rollout benchmark's core at tiny size on SGLang's real LongLive2 stage (6 chunks, scene cuts and pins; quant
 # off bit for bit SGLang's dense cache, int4 and the recommended tiers at or below int2 at every chunk): ~30-70 s.
 PAGEDQVG_SGLANG_SRC="$work/src" "$PYTHON" -m pytest -q -p no:cacheprovider tests/test_bench_sglang_rollout.py
