@@ -132,6 +132,12 @@ def write_image_encoder(out: str) -> None:
     cfg = CLIPVisionConfig(hidden_size=CLIP_DIM, intermediate_size=64, num_hidden_layers=2, num_attention_heads=2,
                            image_size=32, patch_size=16, projection_dim=CLIP_DIM)  # fmt: skip
     CLIPVisionModel(cfg).save_pretrained(f"{out}/image_encoder", safe_serialization=True)
+    # transformers 5 writes the tower's names without the `vision_model.` prefix; released CLIP checkpoints (Wan's
+    # image_encoder) and SGLang's native CLIPVisionModel.load_weights have it.
+    from safetensors.torch import load_file
+
+    path = f"{out}/image_encoder/model.safetensors"
+    _save(path, {k if k.startswith("vision_model.") else f"vision_model.{k}": v for k, v in load_file(path).items()})
     CLIPImageProcessor(size={"shortest_edge": 32}, crop_size={"height": 32, "width": 32}).save_pretrained(
         f"{out}/image_processor"
     )
