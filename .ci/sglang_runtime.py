@@ -8,7 +8,11 @@
 (b) DiffGenerator.from_pretrained(<tiny LongLive2 dir>) with pagedqvg active vs excluded: samples torch.equal,
     the worker's log shows pagedqvg's caches and pool, the launching process built no pagedqvg cache or pool;
 (c) the same with PAGEDQVG_KV_CACHE_QUANT=int2 (2 centroids: chunks of 8 tokens pack): samples differ from the
-    dense run by a relative error below REL_ERR_BOUND (measured 0.0078 on the decoded uint8 frames, 2026-12-01).
+    dense run by a relative error below REL_ERR_BOUND (measured 0.0078 on the decoded uint8 frames, 2026-12-01);
+(e) attention modes (issue 29): PAGEDQVG_ATTENTION unset (the default; (b)'s paged run) chose mode heads for SGLang's
+    TORCH_SDPA backend on CPU (its log line) and ran it; PAGEDQVG_ATTENTION=view (no heads line) and =heads with
+    groups of 1 head (2 groups a call; its log line, no fallback line) give samples torch.equal to each other, to the
+    default's and to SGLang's dense run; with int2, heads and view (both packed) torch.equal.
 The load_plugins() probes run 3 at a time (each a fresh interpreter; most of their time is importing SGLang).
 
 Usage: python .ci/sglang_runtime.py WORKDIR [plugins|generate|all]
@@ -134,8 +138,9 @@ def generate_cases(work: str) -> None:
     import torch
 
     if not os.path.isdir(f"{work}/LongLive-2.0-5B-Diffusers"):
-        subprocess.run([sys.executable, f"{HERE}/sglang_tiny_longlive2.py", f"{work}/LongLive-2.0-5B-Diffusers"],
-                       check=True)
+        subprocess.run(
+            [sys.executable, f"{HERE}/sglang_tiny_longlive2.py", f"{work}/LongLive-2.0-5B-Diffusers"], check=True
+        )
     _, log = generate(work, "sglang", {"PAGEDQVG_BUDGET": "64MiB", "SGLANG_PLUGINS": "ci_cpu_ops"})
     check(
         "[pagedqvg]" not in log and "pagedqvg: active" not in log,
@@ -143,18 +148,69 @@ def generate_cases(work: str) -> None:
     )
     paged, log = generate(work, "paged", {"PAGEDQVG_BUDGET": "64MiB"})
     check("PagedCausalSelfAttentionKVCache caches; pool cpu:" in log, "(b) the worker's log shows pagedqvg's caches")
+    check(
+        DEFAULT_HEADS in log and HEADS_GROUPS in log and FALLBACK not in log,
+        f"(e) PAGEDQVG_ATTENTION unset: the default chose mode heads for TORCH_SDPA on cpu and ran it: "
+        f"{attention_lines(log)}",
+    )
     done = re.findall(r"request done; pool cpu: (\d+) of \d+ pages in use; (\d+) open sessions", log)
     check(bool(done) and all(d == ("0", "0") for d in done), f"(b) pool pages in use after each request: {done}")
     check(paged["launcher"] == {"caches": 0, "pools": 0}, f"(b) launching process built no cache: {paged['launcher']}")
     a, b = torch.load(f"{work}/sglang.pt"), torch.load(f"{work}/paged.pt")
     check(torch.equal(a, b), f"(b) samples torch.equal with quantization off ({tuple(a.shape)})")
-    env = {"PAGEDQVG_BUDGET": "64MiB", "PAGEDQVG_KV_CACHE_QUANT": "int2", "PAGEDQVG_KV_CACHE_QUANT_CENTROIDS": "2",
-           "PAGEDQVG_KV_CACHE_QUANT_KEEP_RECENT": "0", "PAGEDQVG_KV_CACHE_QUANT_BLOCK_SIZE": "16"}
-    _, log = generate(work, "int2", env)
+    _, log = generate(work, "view", {"PAGEDQVG_BUDGET": "64MiB", "PAGEDQVG_ATTENTION": "view"})
+    check(
+        "attention heads" not in log and "attention default" not in log,
+        f"(e) PAGEDQVG_ATTENTION=view: no heads and no default line in the worker's log: {attention_lines(log)}",
+    )
+    view = torch.load(f"{work}/view.pt")
+    check(
+        torch.equal(view, a) and torch.equal(view, b),
+        "(e) mode view's samples torch.equal to SGLang's dense run and to the default's (heads)",
+    )
+    heads_case(work, "heads", {"PAGEDQVG_BUDGET": "64MiB"}, view, "quant off")
+    env = {
+        "PAGEDQVG_BUDGET": "64MiB",
+        "PAGEDQVG_KV_CACHE_QUANT": "int2",
+        "PAGEDQVG_KV_CACHE_QUANT_CENTROIDS": "2",
+        "PAGEDQVG_KV_CACHE_QUANT_KEEP_RECENT": "0",
+        "PAGEDQVG_KV_CACHE_QUANT_BLOCK_SIZE": "16",
+    }
+    _, log = generate(work, "int2", {**env, "PAGEDQVG_ATTENTION": "view"})
     check("PagedQVGPackedCausalKVCache caches" in log, "(c) the worker built packed caches")
-    q = torch.load(f"{work}/int2.pt").float()
-    rel = float((q - a.float()).norm() / a.float().norm())
+    q = torch.load(f"{work}/int2.pt")
+    rel = float((q.float() - a.float()).norm() / a.float().norm())
     check(0 < rel < REL_ERR_BOUND, f"(c) int2 samples differ from dense: relative error {rel:.4f} < {REL_ERR_BOUND}")
+    heads_case(work, "int2-heads", env, q, "int2")
+
+
+#: The worker's log lines of the attention modes (pagedqvg/integrations/sglang/head_groups.py).
+DEFAULT_HEADS = "attention default (PAGEDQVG_ATTENTION unset): mode heads: backend TORCH_SDPA on cpu"
+HEADS_GROUPS = "attention heads: SGLang's LocalAttention.forward (TORCH_SDPA) per group of"
+FALLBACK = "running the call whole"
+
+
+def attention_lines(log: str) -> list[str]:
+    """The attention modes' distinct log lines (from 'pagedqvg: attention'), in order."""
+    found = [line[line.index("pagedqvg: attention") :] for line in log.splitlines() if "pagedqvg: attention" in line]
+    return list(dict.fromkeys(found))
+
+
+def heads_case(work: str, name: str, env: dict[str, str], view, label: str) -> None:
+    """(e): a PAGEDQVG_ATTENTION=heads run with `env`, groups of 1 head (the tiny model's 2 heads: 2 groups a call):
+    its log shows every call by groups (no fallback), its samples torch.equal to `view` (mode view's, same env)."""
+    import torch
+
+    _, log = generate(work, name, {**env, "PAGEDQVG_ATTENTION": "heads", "PAGEDQVG_ATTENTION_HEAD_GROUPS": "1"})
+    by_groups = f"{HEADS_GROUPS} 1 heads (calls of 2 heads: 2 groups)" in log
+    check(
+        by_groups and FALLBACK not in log and "attention default" not in log,
+        f"(e) {label}, PAGEDQVG_ATTENTION=heads: calls by groups of 1 head, no fallback: {attention_lines(log)}",
+    )
+    check(
+        torch.equal(torch.load(f"{work}/{name}.pt"), view),
+        f"(e) {label}: mode heads' samples torch.equal to mode view's",
+    )
 
 
 if __name__ == "__main__":

@@ -7,12 +7,27 @@ LingBot-World: 40 heads x 128, 1,560 tokens a latent frame, chunks of 3 frames, 
 call is ~20 GFLOP instead of ~2.7 TFLOP); heads and head_dim stay. Output: one line per mode, time as a ratio to
 `view`'s in the same process (no absolute claim), and the outputs' equality (`torch.equal`).
 
+`--per-head` (the allowlist's CPU proof, integrations/sglang/head_groups.HEADS_DEFAULT_ALLOWLIST): LingBot-World's
+per-head shape at full size: 4,680 queries (a 3-frame chunk of 1,560-token frames) over 28,080 keys (a 3-frame sink
+and a 15-frame window), head_dim 128, in fp32 and bf16, with `--heads` heads (default 2: attention is independent per
+head, so a few heads stand for 40; the whole call's time is per-head work times heads). Mode `view`
+(`update_and_get_attention_kv` + SDPA over all heads) against mode `heads` (`update_and_attend_heads`, groups of
+`--group` heads, default 1: the most groups, the most per-group overhead), the same SDPA; the two calls alternate
+`--reps` times (pairs, so drift of a shared CPU hits both) and the line gives the median of the pairs' ratios, their
+range, in wall time and in CPU time (`time.process_time`: on a shared CPU the wall time also counts other
+processes' turns; torch's OpenMP threads spin while they wait, so a thread left idle by the split still counts), and
+the verdict against `HEADS_DEFAULT_MARGIN`, which is on the CPU time. Exits 1 if an output differs from view's or a
+median CPU-time ratio is over the margin.
+
 Usage: python benchmarks/bench_head_groups.py [--tokens-per-frame 130] [--dtype bf16] [--reps 3] [--groups 1,4,7,10,40]
+       python benchmarks/bench_head_groups.py --per-head [--heads 2] [--group 1] [--reps 5] [--dtypes fp32,bf16]
 """
 
 from __future__ import annotations
 
 import argparse
+import statistics
+import sys
 import time
 import weakref
 
@@ -61,17 +76,18 @@ class PeakBytes(TorchDispatchMode):
         self.live -= n
 
 
-def build(tpf: int, dtype: torch.dtype):
+def build(tpf: int, dtype: torch.dtype, heads: int = HEADS, sink_frames: int = SINK_FRAMES,
+          window_frames: int = WINDOW_FRAMES):  # fmt: skip
     """A cache after the sink and a full window of chunks (the view spans sink + window), and the K/V/Q of them."""
     n = CHUNK_FRAMES * tpf
-    sink, window = SINK_FRAMES * tpf, WINDOW_FRAMES * tpf
+    sink, window = sink_frames * tpf, window_frames * tpf
     chunks = (sink + window) // n + 1
-    view_bytes = 2 * (sink + window) * HEADS * HEAD_DIM * dtype.itemsize
+    view_bytes = 2 * (sink + window) * heads * HEAD_DIM * dtype.itemsize
     pool = BlockPool(capacity_bytes=int(view_bytes * 1.5) + (64 << 20), page_bytes=1 << 20)
-    cache = PagedCausalKVCache(pool=pool, batch_size=1, cache_size=sink + window, num_heads=HEADS, head_dim=HEAD_DIM,
+    cache = PagedCausalKVCache(pool=pool, batch_size=1, cache_size=sink + window, num_heads=heads, head_dim=HEAD_DIM,
                                dtype=dtype, device="cpu", sink_tokens=sink, global_sink_tokens=sink)  # fmt: skip
     gen = torch.Generator().manual_seed(0)
-    k, v, q = (torch.randn(1, chunks * n, HEADS, HEAD_DIM, generator=gen).to(dtype) for _ in range(3))
+    k, v, q = (torch.randn(1, chunks * n, heads, HEAD_DIM, generator=gen).to(dtype) for _ in range(3))
     for c in range(chunks):
         cache.update_and_get_attention_kv(key=k[:, c * n : (c + 1) * n], value=v[:, c * n : (c + 1) * n],
                                           current_chunk_start=c * n)  # fmt: skip
@@ -91,13 +107,67 @@ def timed(fn, reps: int):
     return best, mem.peak, out
 
 
+def per_head(heads: int, group: int, reps: int, dtypes: list[str]) -> bool:
+    """`--per-head`: view vs heads at LingBot-World's per-head shape, paired calls; True when every output equals
+    view's and every median ratio is within `HEADS_DEFAULT_MARGIN`."""
+    from pagedqvg.integrations.sglang.head_groups import HEADS_DEFAULT_MARGIN
+
+    print(f"LingBot-World per-head shape: 4,680 queries x 28,080 keys x head_dim 128, {heads} heads (attention is "
+          f"independent per head), mode heads in groups of {group}; torch {torch.__version__}, "
+          f"{torch.get_num_threads()} threads; {reps} pairs of calls, alternating order")  # fmt: skip
+    return all([_per_head_line(name, heads, group, reps, HEADS_DEFAULT_MARGIN) for name in dtypes])
+
+
+def _per_head_line(name: str, heads: int, group: int, reps: int, margin: float) -> bool:
+    dtype = DTYPES[name]
+    cache, k, v, q, s = build(1560, dtype, heads, sink_frames=3, window_frames=15)
+
+    def view_mode():
+        view = cache.update_and_get_attention_kv(key=k, value=v, current_chunk_start=s)
+        return SDPA(q.transpose(1, 2), view.k.transpose(1, 2), view.v.transpose(1, 2)).transpose(1, 2)
+
+    def heads_mode():
+        return cache.update_and_attend_heads(q, key=k, value=v, current_chunk_start=s, head_group_size=group)
+
+    want, got = view_mode(), heads_mode()  # also plans both calls
+    T = cache.update_and_get_attention_kv(key=k, value=v, current_chunk_start=s).k.shape[1]
+    same = torch.equal(got, want)
+    wall: dict[str, list[float]] = {"view": [], "heads": []}
+    cpu: dict[str, list[float]] = {"view": [], "heads": []}
+    for i in range(reps):
+        for mode, fn in (("view", view_mode), ("heads", heads_mode))[:: 1 if i % 2 == 0 else -1]:
+            t0, c0 = time.perf_counter(), time.process_time()
+            fn()
+            wall[mode].append(time.perf_counter() - t0)
+            cpu[mode].append(time.process_time() - c0)
+    flops = 4 * q.shape[1] * T * heads * HEAD_DIM
+    tv = statistics.median(wall["view"])
+    print(f"  {name:<5} T={T:,}: view {tv:7.3f} s wall ({flops / tv / 1e9:5.1f} GFLOP/s), heads g={group} "
+          f"{statistics.median(wall['heads']):7.3f} s wall; equal {same}")  # fmt: skip
+    ok = same
+    for label, t in (("wall time", wall), ("CPU time (this process's threads)", cpu)):
+        ratios = [h / w for h, w in zip(t["heads"], t["view"], strict=True)]
+        med = statistics.median(ratios)
+        ok &= t is wall or med <= margin  # the verdict: CPU time (wall time counts other processes' turns too)
+        print(f"        heads/view {label}: median {med:.3f}x, pairs {min(ratios):.3f}-{max(ratios):.3f} "
+              f"({' '.join(f'{r:.3f}' for r in ratios)}); margin {margin}x: {'within' if med <= margin else 'OVER'}",
+              flush=True)  # fmt: skip
+    return ok
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--tokens-per-frame", type=int, default=130)
     ap.add_argument("--dtype", choices=list(DTYPES), default="bf16")
     ap.add_argument("--reps", type=int, default=3)
     ap.add_argument("--groups", default="1,4,7,10,40")
+    ap.add_argument("--per-head", action="store_true", help="LingBot-World's per-head shape, view vs heads (paired)")
+    ap.add_argument("--heads", type=int, default=2, help="--per-head: heads of the cache (default 2)")
+    ap.add_argument("--group", type=int, default=1, help="--per-head: heads per group of mode heads (default 1)")
+    ap.add_argument("--dtypes", default="fp32,bf16", help="--per-head: comma-separated dtypes (default fp32,bf16)")
     args = ap.parse_args()
+    if args.per_head:
+        sys.exit(0 if per_head(args.heads, args.group, args.reps, args.dtypes.split(",")) else 1)
     dtype = DTYPES[args.dtype]
     cache, k, v, q, s = build(args.tokens_per_frame, dtype)
     Tq = k.shape[1]
@@ -116,6 +186,7 @@ def main() -> None:
     print(f"{'view':<14}{base * 1e3:>8.1f}ms{1.0:>8.2f}x{peak:>14,}{formula:>14,}{'-':>7}{'-':>13}")
     full = choose_head_group(1, 4680, HEADS, HEAD_DIM, dtype, 21 * 1560)
     for g in [int(x) for x in args.groups.split(",")]:
+
         def heads_mode(g=g):
             return cache.update_and_attend_heads(q, key=k, value=v, current_chunk_start=s, head_group_size=g)
 
@@ -124,9 +195,11 @@ def main() -> None:
         eff = wave_efficiency(1, 4680, HEADS, g)
         print(f"{f'heads g={g}':<14}{t * 1e3:>8.1f}ms{t / base:>8.2f}x{peak:>14,}{formula:>14,}"
               f"{torch.equal(got, want)!s:>7}{eff:>12.1%}")  # fmt: skip
-    print(f"* wave efficiency of the group size at LingBot-World's full chunk (4,680 queries) on 132 SMs; the cost "
-          f"model picks {full.group} heads per group ({full.wave_efficiency:.1%}). Transient: measured peak bytes of "
-          f"the call's tensors (SDPA's own workspace included when it returns it), formula: layout.head_groups.")
+    print(
+        f"* wave efficiency of the group size at LingBot-World's full chunk (4,680 queries) on 132 SMs; the cost "
+        f"model picks {full.group} heads per group ({full.wave_efficiency:.1%}). Transient: measured peak bytes of "
+        f"the call's tensors (SDPA's own workspace included when it returns it), formula: layout.head_groups."
+    )
 
 
 if __name__ == "__main__":

@@ -11,6 +11,13 @@ over an 18-frame window + 3-frame sink; quant off and the recommended tiers (sin
 compact). `--tiny`: 4 heads of 32, 16-token frames, a 6-frame window.
 Self-check: every `heads` output `torch.equal` to `view`'s (bit-identity on that backend and torch version: what an
 allowlist entry `(backend, "cuda", torch version)` in integrations/sglang/head_groups.py needs).
+
+The allowlist line (the default's mechanism, issue 29 item 4): on CUDA the section also times SDPA's own choice of
+kernel (`sdpa`, what SGLang's TORCH_SDPA backend runs), and ends with the entry this run proves,
+`("TORCH_SDPA", "cuda", "<torch major.minor>")`, printed only when at every shape, quantization and SDPA kernel
+(flash, cuDNN, SDPA's choice) `heads` at the cost model's group is `torch.equal` to `view` and at most
+`HEADS_DEFAULT_MARGIN` x view's time; otherwise the line names the first shape that fails. Other SGLang backends
+(FA3 of sgl-kernel, Sage) are not timed here, so no entry for them comes from this run.
 """
 
 from __future__ import annotations
@@ -22,6 +29,7 @@ import torch.nn.functional as F
 from attention_cuda_section import _fill, _timed
 
 from pagedqvg import QuantConfig
+from pagedqvg.integrations.sglang.head_groups import HEADS_DEFAULT_MARGIN
 from pagedqvg.layout.head_groups import choose_head_group
 
 TIERS = QuantConfig.compact(sink_format="int4", recent_format="int4")
@@ -38,7 +46,7 @@ def _backends(device: torch.device):
     from torch.nn.attention import SDPBackend, sdpa_kernel
 
     return [("flash", lambda: sdpa_kernel(SDPBackend.FLASH_ATTENTION)),
-            ("cudnn", lambda: sdpa_kernel(SDPBackend.CUDNN_ATTENTION))]  # fmt: skip
+            ("cudnn", lambda: sdpa_kernel(SDPBackend.CUDNN_ATTENTION)), ("sdpa", contextlib.nullcontext)]  # fmt: skip
 
 
 def _peak(fn, device: torch.device) -> int:
@@ -53,7 +61,9 @@ def _peak(fn, device: torch.device) -> int:
     return torch.cuda.max_memory_allocated(device) - base
 
 
-def _shape_lines(name, heads, frame, quant, label, device, dtype, iters, tiny) -> bool:
+def _shape_lines(name, heads, frame, quant, label, device, dtype, iters, tiny, failures: list[str]) -> bool:
+    """The lines of one shape and quantization; appends to `failures` each (shape, backend) whose `heads` at the
+    cost model's group is not `torch.equal` to `view` or over `HEADS_DEFAULT_MARGIN` x view's time."""
     d = 32 if tiny else 128
     c, start, gen = _fill(heads, d, frame, 18 if not tiny else 6, quant, dtype, device)
     chunk = 3 * frame  # _fill appends 3-frame chunks
@@ -66,6 +76,7 @@ def _shape_lines(name, heads, frame, quant, label, device, dtype, iters, tiny) -
     ok = True
     for backend, ctx in _backends(device):
         with ctx():
+
             def sdpa_only():
                 return F.scaled_dot_product_attention(q.transpose(1, 2), kc.transpose(1, 2), vc.transpose(1, 2))
 
@@ -81,12 +92,16 @@ def _shape_lines(name, heads, frame, quant, label, device, dtype, iters, tiny) -
                   f"peak {p_view / 2**20:8.1f} MiB")  # fmt: skip
             best = choose_head_group(1, chunk, heads, d, dtype, T).group
             for g in sorted({best, min(4, heads), min(10, heads), heads} | ({1, 2} if tiny else set())):
+
                 def heads_mode(g=g):
                     return c.update_and_attend_heads(q, key=k, value=v, current_chunk_start=s, head_group_size=g)
 
                 t = _timed(heads_mode, device, iters)
                 same = torch.equal(heads_mode(), want)
                 ok &= same
+                if g == best and (not same or t > HEADS_DEFAULT_MARGIN * t_view):
+                    failures.append(f"{name} {label} {backend}: heads g={g} {t / t_view:.3f}x view, "
+                                    f"{'equal' if same else 'DIFFERS'}")  # fmt: skip
                 print(f"    heads g={g:<3}{'*' if g == best else ' '} {t * 1e3:8.3f} ms {flops / t / 1e12:6.1f} TFLOPS "
                       f"({t_view / t:.2f}x view) peak {_peak(heads_mode, device) / 2**20:8.1f} MiB  "
                       f"{'equal' if same else 'DIFFERS'}")  # fmt: skip
@@ -100,9 +115,26 @@ def bench_heads(device: torch.device, dtype: torch.dtype, tiny: bool, iters: int
     shapes = (("tiny", 4, 16),) if tiny else SHAPES
     quants = {"off": None, "tiers": TINY_TIERS if tiny else TIERS}
     ok = True
+    failures: list[str] = []
     for name, heads, frame in shapes:
         for label, quant in quants.items():
-            ok &= _shape_lines(name, heads, frame, quant, label, device, dtype, iters, tiny)
+            ok &= _shape_lines(name, heads, frame, quant, label, device, dtype, iters, tiny, failures)
             if device.type == "cuda":
                 torch.cuda.empty_cache()
+    print(allowlist_line(device, failures, tiny))
     return ok
+
+
+def allowlist_line(device: torch.device, failures: list[str], tiny: bool) -> str:
+    """The `HEADS_DEFAULT_ALLOWLIST` entry this run proves (CUDA, full shapes, no failure), else why none."""
+    version = ".".join(torch.__version__.split("+")[0].split(".")[:2])
+    entry = f'("TORCH_SDPA", "{device.type}", "{version}")'
+    if device.type != "cuda" or tiny:
+        where = f"{device.type}{', --tiny' if tiny else ''}"
+        return f"  allowlist: no entry from this run ({where}: only a full CUDA run proves one; the CPU entry's " \
+               f"proof is bench_head_groups.py --per-head)"  # fmt: skip
+    if failures:
+        return f"  allowlist: no entry {entry}: {'; '.join(failures)} (margin {HEADS_DEFAULT_MARGIN}x)"
+    return (f"  allowlist: add {entry} to HEADS_DEFAULT_ALLOWLIST (integrations/sglang/head_groups.py): heads at the "
+            f"cost model's group torch.equal to view and within {HEADS_DEFAULT_MARGIN}x view's time at every shape, "
+            f"quantization and SDPA kernel (flash, cudnn, sdpa's choice)")  # fmt: skip

@@ -65,8 +65,8 @@ def sdpa(q, k, v, dtype=None):
 
 # ------------------------------------------------------------------------------------------------ the mode
 def test_attention_mode_from_env():
-    assert attn.attention_mode_from_env({}) == "view"
-    assert attn.attention_mode_from_env({"PAGEDQVG_ATTENTION": ""}) == "view"
+    assert attn.attention_mode_from_env({}) == "auto"  # the default: view, or heads where allowlisted
+    assert attn.attention_mode_from_env({"PAGEDQVG_ATTENTION": ""}) == "auto"
     assert attn.attention_mode_from_env({"PAGEDQVG_ATTENTION": " Pages "}) == "pages"
     assert attn.attention_mode_from_env({"PAGEDQVG_ATTENTION": "view"}) == "view"
     with pytest.raises(CacheConfigError, match=r"PAGEDQVG_ATTENTION='dense'.*valid: view or pages"):

@@ -268,11 +268,11 @@ def test_a_worker_whose_hooks_sglang_did_not_apply_stops(monkeypatch):
 
 
 def test_attention_variable():
-    """PAGEDQVG_ATTENTION: view (unset, empty) or pages, case-insensitive; a bad value names the variable and the
+    """PAGEDQVG_ATTENTION: auto (unset, empty), view or pages, case-insensitive; a bad value names the variable and the
     valid forms; asking for pages without a budget is refused like the quantization variable."""
     base = {"PAGEDQVG_BUDGET": "1GiB"}
-    assert settings_from_env(base).attention == "view"
-    assert settings_from_env({**base, "PAGEDQVG_ATTENTION": ""}).attention == "view"
+    assert settings_from_env(base).attention == "auto"  # the default: view, or heads where allowlisted
+    assert settings_from_env({**base, "PAGEDQVG_ATTENTION": ""}).attention == "auto"
     assert settings_from_env({**base, "PAGEDQVG_ATTENTION": " Pages "}).attention == "pages"
     assert "from pages" in settings_from_env({**base, "PAGEDQVG_ATTENTION": "pages"}).describe()
     with pytest.raises(PluginConfigError, match=r"PAGEDQVG_ATTENTION='paged'.*valid: view or pages"):

@@ -71,16 +71,27 @@ def test_head_dim_checks_cover_every_tier():
     assert QuantConfig(bits=2, recent_format="fp8", sink_format="int4").validate(head_dim=64)
 
 
-def test_tiers_are_inert_when_quantization_is_off():
-    q = QuantConfig(recent_format="int4", sink_format="compact")
+def test_tier_formats_are_refused_when_quantization_is_off():
+    q = QuantConfig(sink_format="bf16")  # the dense formats are what a dense cache has: allowed
     assert not q.tiered and tiers(q) == ("bf16", "bf16", "bf16")
     with pytest.raises(ValueError, match="unknown tier 'old'"):
         q.tier_format("old")
+    for kwargs in (
+        {"recent_format": "int4"},
+        {"sink_format": "compact"},
+        {"recent_format": "fp8", "sink_format": "int2"},
+    ):
+        with pytest.raises(
+            CacheConfigError,
+            match=r"QuantConfig\(bits=None\) with sink_format=.*quantization is off.*allowed: bits=2/4",
+        ):
+            QuantConfig(**kwargs)
 
 
 def test_from_dict_reads_tier_formats():
-    q = QuantConfig.from_dict({"--kv-cache-quant": "int2", "--kv-cache-quant-sink": "INT4",
-                               "kv-cache-quant-recent": "fp8"})
+    q = QuantConfig.from_dict(
+        {"--kv-cache-quant": "int2", "--kv-cache-quant-sink": "INT4", "kv-cache-quant-recent": "fp8"}
+    )
     assert (q.sink, q.sink_format, q.recent_format) == (True, "int4", "fp8")
     assert QuantConfig.from_dict({"kv_cache_quant": "int2", "kv_cache_quant_sink": "bf16"}).sink is False
     assert QuantConfig.from_dict({"kv_cache_quant": "int2", "kv_cache_quant_sink": "true"}).sink_format is None
@@ -98,8 +109,9 @@ def test_from_dict_reads_tier_formats():
 
 
 def test_sglang_mapping_carries_tiers():
-    q = quant_config_from_sglang({"kv_cache_quant": "int2", "kv_cache_quant_recent": "int4",
-                                  "kv_cache_quant_sink": "fp8"}, head_dim=128)
+    q = quant_config_from_sglang(
+        {"kv_cache_quant": "int2", "kv_cache_quant_recent": "int4", "kv_cache_quant_sink": "fp8"}, head_dim=128
+    )
     assert tiers(q) == ("fp8", "int2", "int4")
     with pytest.raises(CacheConfigError, match="coarser"):
         quant_config_from_sglang({"kv_cache_quant": "int4", "kv_cache_quant_recent": "int2"}, head_dim=128)
@@ -113,8 +125,18 @@ def test_sglang_mapping_carries_tiers():
 
 
 def test_cli_flags(capsys):
-    code = main(["plan", "--kv-cache-quant", "int2", "--kv-cache-quant-sink", "int4", "--kv-cache-quant-recent",
-                 "fp8", "--json"])
+    code = main(
+        [
+            "plan",
+            "--kv-cache-quant",
+            "int2",
+            "--kv-cache-quant-sink",
+            "int4",
+            "--kv-cache-quant-recent",
+            "fp8",
+            "--json",
+        ]
+    )
     out, _ = capsys.readouterr()
     q = json.loads(out)["workload"]["quant"]
     assert code == 0 and (q["sink_format"], q["recent_format"], q["sink"]) == ("int4", "fp8", True)

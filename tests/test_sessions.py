@@ -251,8 +251,7 @@ def test_swap_out_and_in_round_trip_is_bit_equal_and_frees_the_device(quant):
     assert mgr.swap_out(s) == held
     assert pool.num_free_pages == pool.num_pages and host.stats().used_pages == held
     assert mgr.reserved_pages() == reserved - max(0, s.planned_pages - held)  # a parked session reserves nothing
-    with pytest.raises(CacheClosedError, match="swapped out to host memory"):
-        run_chunk(s, sp, 4)
+    assert s.swapped  # its next call would bring it back (tests/test_host_tier.py); here swap_in does
     assert not any(c.closed for cs in s.caches for c in cs)  # parked, not closed
     with pytest.raises(CacheConfigError, match="swapped out already"):
         mgr.swap_out(s)

@@ -86,6 +86,8 @@ class BlockPool:
         page_bytes: bytes per page (an int > 0, a multiple of 256; default 1 MiB). Every page starts on a
             256-byte boundary. `BlockPool.for_layers` picks the size `pagedqvg plan` would for a cache shape.
         device: where the arena lives, `"cpu"`, `"cuda"` or `"cuda:N"` (default `"cpu"`).
+        pin_memory: a page-locked host arena (device "cpu" only; needs CUDA): the host tier of a CUDA pool
+            (serving/host_tier.py `host_pool_for`) copies to and from it asynchronously (default False).
 
     The arena (`capacity_bytes // page_bytes * page_bytes` bytes of `uint8`) is allocated once, here; ValueError
     (naming the value and the valid range) for a bad argument, before anything is allocated.
@@ -105,6 +107,7 @@ class BlockPool:
         capacity_bytes: int,
         page_bytes: int = DEFAULT_PAGE_BYTES,
         device: torch.device | str = "cpu",
+        pin_memory: bool = False,
     ) -> None:
         _check_positive_int("capacity_bytes", capacity_bytes)
         _check_positive_int("page_bytes", page_bytes)
@@ -119,11 +122,14 @@ class BlockPool:
                 f"give at least {page_bytes} bytes or use smaller pages"
             )
         self.device = resolve_device(device)
+        if pin_memory is not False and (pin_memory is not True or self.device.type != "cpu"):
+            raise ValueError(f"pin_memory=True is for a host arena (device='cpu'), got {pin_memory!r} on {self.device}")
+        self.pinned = pin_memory  # page-locked host memory: asynchronous copies to and from CUDA (serving/host_tier.py)
         self.page_bytes = page_bytes
         self.num_pages = capacity_bytes // page_bytes
         total = self.num_pages * page_bytes
         # Over-allocate by one alignment unit so page 0 starts on a 256-byte boundary on any allocator.
-        raw = torch.empty(total + PAGE_ALIGN_BYTES, dtype=torch.uint8, device=self.device)
+        raw = torch.empty(total + PAGE_ALIGN_BYTES, dtype=torch.uint8, device=self.device, pin_memory=pin_memory)
         offset = (-raw.data_ptr()) % PAGE_ALIGN_BYTES
         self.arena: torch.Tensor = raw[offset : offset + total]
         # Free stack: pop() hands out the lowest ids first on a fresh pool.

@@ -11,6 +11,7 @@ so every error leaves the cache and the pool exactly as they were.
 
 from __future__ import annotations
 
+import functools
 import weakref
 
 import torch
@@ -45,6 +46,31 @@ __all__ = ["PagedCausalKVCache", "make_layer_caches"]
 
 
 _VIEW_CALL = "update_and_get_attention_kv"
+
+
+def _session_call(method):
+    """A call of a cache whose `_tier` is set (a session of a SessionManager with a host tier, serving/sessions.py)
+    runs inside `_tier.call(cache)`: back from host memory first if swapped out, busy (never swapped) while it
+    runs, its session's last use renewed. O(1) more per call."""
+
+    @functools.wraps(method)
+    def call(self, *args, **kwargs):
+        if self._tier is None:
+            return method(self, *args, **kwargs)
+        with self._tier.call(self):
+            return method(self, *args, **kwargs)
+
+    return call
+
+
+def _ensure_open(self, what: str) -> None:
+    """`PagedCausalKVCache._ensure_open`: a parked cache of a session (swapped out to a host tier) comes back first
+    (SessionRefusedError if it cannot); CacheClosedError after `close()` or while parked outside a session."""
+    if isinstance(self._closed, str) and self._tier is not None:
+        self._tier.resume(self)
+    if self._closed:  # True, or a str: why it is out of service (serving/host_tier.py's swap-out)
+        why = "after close(); its pages are back in the pool — make a new cache"
+        raise CacheClosedError(f"{self.debug_name}: {what} " + (self._closed if self._closed is not True else why))
 
 
 class PagedCausalKVCache:
@@ -106,6 +132,7 @@ class PagedCausalKVCache:
     _view_cls: type = CausalAttentionKVView
     #: Attribute: `(K, V)` value of rows no call wrote (heads a head-sliced advance did not write, adopted slots).
     _unwritten_fill: tuple[float, float] = (0.0, 0.0)
+    _tier = None  # set by a SessionManager with a host tier: `call(cache)` and `resume(cache)`; `_session_call`
 
     def _before_call(self, what: str) -> None:
         """Hook: runs first in `update_and_get_attention_kv`, `pin_current_chunk` and `_read_slots` (`what` names
@@ -259,10 +286,7 @@ class PagedCausalKVCache:
         return self._readout.describe(self.debug_name)
 
     # ------------------------------------------------------------ checks
-    def _ensure_open(self, what: str) -> None:
-        if self._closed:  # True, or a str: why it is out of service (serving/host_tier.py's swap-out)
-            why = "after close(); its pages are back in the pool — make a new cache"
-            raise CacheClosedError(f"{self.debug_name}: {what} " + (self._closed if self._closed is not True else why))
+    _ensure_open = _ensure_open  # CacheClosedError after close(); a swapped-out session's cache comes back first
 
     # ------------------------------------------------------------ pages and views (page_io.PageIO)
     def _structure_changed(self) -> None:
@@ -546,6 +570,13 @@ class PagedCausalKVCache:
         self._packer.release_all()
         self._structure_changed()
         self._closed = True
+
+
+#: Every call of a session's cache runs through its `_tier` gate (`_session_call`; subclasses' overrides reach it
+#: through `super()`).
+for _name in ("_unpin", "_read_slots", "update_and_get_attention_kv", "update_and_attend", "update_and_attend_heads",
+              "pin_current_chunk", "reset_indices", "rewind_to", "fork"):  # fmt: skip
+    setattr(PagedCausalKVCache, _name, _session_call(getattr(PagedCausalKVCache, _name)))
 
 
 def _release_owner(pool: BlockPool, owner: str) -> None:

@@ -16,6 +16,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, fields
 from typing import Any
 
+from pagedqvg.errors import CacheConfigError
 from pagedqvg.quant.formats import FORMATS, TIER_FORMAT_NAMES, format_rank, get_format
 from pagedqvg.quant.formats import FP8_BLOCK as FP8_BLOCK  # re-exported: the fp8 format's block (tests, fp8 docs)
 from pagedqvg.validation import check_int
@@ -164,7 +165,7 @@ class QuantConfig:
             ValueError: naming the field, the value and the allowed values.
         """
         if not (self.bits is None or (type(self.bits) is int and self.bits in ALLOWED_BITS)):
-            raise ValueError(f"QuantConfig.bits={self.bits!r} is not supported; allowed: None (off), 2, 4")
+            raise CacheConfigError(f"QuantConfig.bits={self.bits!r} is not supported; allowed: None (off), 2, 4")
         _check_int("centroids", self.centroids, lo=1, hi=MAX_CENTROIDS, why="ids are stored as uint8")
         _check_int("block_size", self.block_size, lo=1)
         _check_int("stages", self.stages, lo=1)
@@ -175,14 +176,14 @@ class QuantConfig:
         for name in _BOOL_FIELDS:
             value = getattr(self, name)
             if not isinstance(value, bool):
-                raise ValueError(f"QuantConfig.{name}={value!r} must be a bool (True or False)")
+                raise CacheConfigError(f"QuantConfig.{name}={value!r} must be a bool (True or False)")
         if self.pack_trits and self.enabled and (self.bits != 2 or self.asymmetric):
-            raise ValueError(
+            raise CacheConfigError(
                 f"QuantConfig.pack_trits=True needs symmetric int2 codes (3 levels), got bits={self.bits}, "
                 f"asymmetric={self.asymmetric}; allowed: pack_trits=False, or bits=2 with asymmetric=False"
             )
         if self.fit_scales and self.enabled and self.asymmetric:
-            raise ValueError(
+            raise CacheConfigError(
                 "QuantConfig.fit_scales=True needs symmetric codes, got asymmetric=True; allowed: fit_scales=False, "
                 "or asymmetric=False"
             )
@@ -197,19 +198,19 @@ class QuantConfig:
                     _validate_tier_head_dim(tier, q, head_dim)
                 fmt = get_format(self.tier_format(tier))
                 if fmt.channel_block and head_dim % fmt.channel_block:
-                    raise ValueError(
+                    raise CacheConfigError(
                         f"the {tier} tier's format {fmt.name!r} scales blocks of {fmt.channel_block} channels, which "
                         f"do not divide head_dim={head_dim}; allowed: head_dim a multiple of {fmt.channel_block}, or "
                         "another format"
                     )
             if head_dim % self.block_size:
                 divisors = [d for d in range(1, head_dim + 1) if head_dim % d == 0]
-                raise ValueError(
+                raise CacheConfigError(
                     f"QuantConfig.block_size={self.block_size} does not divide head_dim={head_dim}; "
                     f"allowed: a divisor of {head_dim} {divisors}"
                 )
             if self.bits is not None and not self.pack_trits and (head_dim * self.bits) % 8:
-                raise ValueError(
+                raise CacheConfigError(
                     f"head_dim={head_dim} at bits={self.bits} does not fill whole bytes; "
                     f"allowed: head_dim a multiple of {8 // self.bits}"
                 )
@@ -217,31 +218,38 @@ class QuantConfig:
 
     def _validate_tiers(self) -> None:
         """Tier formats: known names; a sink format needs the sink packed; a recent format needs recent chunks and
-        may not be coarser than the history's (a chunk cannot gain precision by aging). Inert when quantization is
-        off (a dense cache has no tiers)."""
+        may not be coarser than the history's (a chunk cannot gain precision by aging). With quantization off only
+        the dense formats are allowed (a dense cache has no tiers)."""
         for name, value, allowed in (
             ("sink_format", self.sink_format, (None, *TIER_FORMATS)),
             ("recent_format", self.recent_format, TIER_FORMATS),
         ):
             if value not in allowed:
-                raise ValueError(
+                raise CacheConfigError(
                     f"QuantConfig.{name}={value!r} is not a tier format; allowed: {', '.join(map(str, allowed))}"
                 )
         if not self.enabled:
+            if self.sink_format not in (None, "bf16") or self.recent_format != "bf16":
+                raise CacheConfigError(
+                    f"QuantConfig(bits=None) with sink_format={self.sink_format!r}, recent_format="
+                    f"{self.recent_format!r}: quantization is off, so a dense cache has no packed tiers; allowed: "
+                    "bits=2/4 (or QuantConfig.int4/int2/compact) with the tier formats, or sink_format None/'bf16' "
+                    "and recent_format 'bf16'"
+                )
             return
         if self.sink_format not in (None, "bf16") and not self.sink:
-            raise ValueError(
+            raise CacheConfigError(
                 f"QuantConfig.sink_format={self.sink_format!r} with sink=False: the sink chunks stay dense; allowed: "
                 "sink=True with a sink format, or sink_format None/'bf16'"
             )
         if self.recent_format != "bf16" and self.keep_recent_chunks == 0:
-            raise ValueError(
+            raise CacheConfigError(
                 f"QuantConfig.recent_format={self.recent_format!r} with keep_recent_chunks=0: no chunk is in the "
                 "recent tier; allowed: keep_recent_chunks >= 1, or recent_format 'bf16'"
             )
         if format_rank(self.recent_format) < format_rank(self.mode):
             finer = [f for f in TIER_FORMATS if format_rank(f) >= format_rank(self.mode)]
-            raise ValueError(
+            raise CacheConfigError(
                 f"QuantConfig.recent_format={self.recent_format!r} is coarser than the history's {self.mode!r}: a "
                 f"recent chunk would gain no precision by aging; allowed: {', '.join(finer)}"
             )
@@ -251,7 +259,7 @@ class QuantConfig:
         """The format name of `tier` ('sink', 'history' or 'recent'): one of `TIER_FORMATS` ('bf16' when
         quantization is off). ValueError for an unknown tier."""
         if tier not in TIERS:
-            raise ValueError(f"unknown tier {tier!r}; allowed: {', '.join(TIERS)}")
+            raise CacheConfigError(f"unknown tier {tier!r}; allowed: {', '.join(TIERS)}")
         if not self.enabled:
             return "bf16"
         if tier == "history":
@@ -328,9 +336,11 @@ class QuantConfig:
             key = str(raw_key).lstrip("-").replace("-", "_")
             name = SGLANG_KEYS.get(key, key if key in field_names else None)
             if name is None:
-                raise ValueError(f"unknown quantization key {raw_key!r}; known keys: {', '.join(cls.known_keys())}")
+                raise CacheConfigError(
+                    f"unknown quantization key {raw_key!r}; known keys: {', '.join(cls.known_keys())}"
+                )
             if name in kwargs:
-                raise ValueError(f"quantization setting {name!r} given twice ({source[name]!r} and {raw_key!r})")
+                raise CacheConfigError(f"quantization setting {name!r} given twice ({source[name]!r} and {raw_key!r})")
             if name == "bits" and isinstance(value, str) and value.strip().lower() == COMPACT_MODE:
                 compact = True
                 kwargs[name] = 2
@@ -344,7 +354,7 @@ class QuantConfig:
             source[name] = str(raw_key)
         if sink_tier is not None and sink_tier != "bf16":
             if kwargs.get("sink_format") not in (None, sink_tier):
-                raise ValueError(
+                raise CacheConfigError(
                     f"sink format given twice ({source['sink']!r}={sink_tier!r} and "
                     f"{source['sink_format']!r}={kwargs['sink_format']!r})"
                 )
@@ -359,7 +369,7 @@ def _validate_tier_head_dim(tier: str, q: QuantConfig, head_dim: int) -> None:
     try:
         q.validate(head_dim=head_dim)
     except ValueError as exc:
-        raise ValueError(f"the {tier} tier's format {q.mode!r}: {exc}") from None
+        raise CacheConfigError(f"the {tier} tier's format {q.mode!r}: {exc}") from None
 
 
 def _check_int(name: str, value: object, *, lo: int, hi: int | None = None, why: str = "") -> None:
@@ -379,7 +389,7 @@ def _parse_value(name: str, key: str, value: Any) -> Any:
         if text.isdigit():
             return int(text)
         modes = ", ".join([*_MODE_TO_BITS, COMPACT_MODE])
-        raise ValueError(f"{key}={value!r} is not a quantization mode; allowed: {modes}")
+        raise CacheConfigError(f"{key}={value!r} is not a quantization mode; allowed: {modes}")
     if name in _BOOL_FIELDS:
         if isinstance(value, str):
             text = value.strip().lower()
@@ -387,7 +397,7 @@ def _parse_value(name: str, key: str, value: Any) -> Any:
                 return True
             if text in _FALSE:
                 return False
-            raise ValueError(f"{key}={value!r} is not a boolean; allowed: {', '.join(sorted(_TRUE | _FALSE))}")
+            raise CacheConfigError(f"{key}={value!r} is not a boolean; allowed: {', '.join(sorted(_TRUE | _FALSE))}")
         if isinstance(value, int) and value in (0, 1):
             return bool(value)
         return value
@@ -396,5 +406,5 @@ def _parse_value(name: str, key: str, value: Any) -> Any:
         try:
             return int(text)
         except ValueError:
-            raise ValueError(f"{key}={value!r} is not an integer") from None
+            raise CacheConfigError(f"{key}={value!r} is not an integer") from None
     return value

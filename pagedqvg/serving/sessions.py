@@ -18,122 +18,33 @@ needs; `open(spec, wait_s=...)` queues instead, until a close frees enough or th
 left; CPython frees it at once, no garbage collection needed) and sessions idle longer than `idle_timeout_s` (a
 lease renewed by `Session.touch()`). `open` reclaims before it refuses.
 
-Complexity: `open` is O(replay of one layer) + O(open sessions); `close` O(pages of the session).
+With a host tier (`host_pool=`; host_tier.py, tiering.py): `swap_out(session, *more)` parks sessions' pages in
+host memory (a page several of them share is copied once) and `swap_in` brings them back; a parked session also
+comes back at the next call of any of its caches. `swap_when_full=True` makes admission (`open`, `adopt`, `fork`,
+`swap_in`) swap idle sessions out, least recently used first, before it waits or refuses; `with session.busy():`
+keeps a session resident. `SessionSpec` and the planned peak live in spec.py.
+
+Complexity: `open` is O(replay of one layer) + O(resident sessions); `close` O(pages of the session).
 """
 
 from __future__ import annotations
 
+import contextlib
 import threading
 import time
 import weakref
-from collections.abc import Callable
+from collections import OrderedDict, deque
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 
-import torch
-
 import pagedqvg.serving.host_tier as host_tier
+import pagedqvg.serving.tiering as tiering
 from pagedqvg.allocator import BlockPool
 from pagedqvg.errors import CacheConfigError, SessionRefusedError
-from pagedqvg.quant import QuantConfig
+from pagedqvg.serving.spec import CacheFactory, SessionSpec, _geometry, planned_session_pages  # noqa: F401
 from pagedqvg.validation import check_int
 
 __all__ = ["Session", "SessionManager", "SessionSpec", "planned_session_pages"]
-
-#: Builds one cache: `(pool, name, **cache_kwargs) -> cache` (default: `PagedCausalKVCache`).
-CacheFactory = Callable[..., object]
-
-
-@dataclass(frozen=True, slots=True)
-class SessionSpec:
-    """One session's caches and the work it plans (tokens are slots; `chunks` None: it runs to steady state and
-    beyond, so its peak is the steady-state peak)."""
-
-    layers: int
-    batch_size: int
-    cache_size: int
-    num_heads: int
-    head_dim: int
-    chunk_tokens: int
-    dtype: torch.dtype = torch.bfloat16
-    cache_sets: int = 1  # e.g. 2 with classifier-free guidance (conditional and unconditional)
-    sink_tokens: int = 0
-    global_sink_tokens: int = 0
-    attention_window_size: int = 0
-    denoise_steps: int = 1
-    chunks: int | None = None
-    quant: QuantConfig | None = None
-    #: extra PagedCausalKVCache arguments as (name, value) pairs, e.g. (("use_int_indices", True),); not the
-    #: ones that change the page census (allow_growth)
-    cache_kwargs: tuple[tuple[str, object], ...] = ()
-
-    @property
-    def caches(self) -> int:
-        return self.layers * self.cache_sets
-
-    def layer_kwargs(self) -> dict[str, object]:
-        """The `PagedCausalKVCache` shape arguments of one layer (pool, device and name excluded)."""
-        return dict(
-            batch_size=self.batch_size,
-            cache_size=self.cache_size,
-            num_heads=self.num_heads,
-            head_dim=self.head_dim,
-            dtype=self.dtype,
-            sink_tokens=self.sink_tokens,
-            global_sink_tokens=self.global_sink_tokens,
-            attention_window_size=self.attention_window_size or None,
-            quant=self.quant,
-            **dict(self.cache_kwargs),
-        )
-
-
-def _geometry(spec: SessionSpec, page_bytes: int):
-    """The planner's `Geometry` of one layer of `spec` on pages of `page_bytes` bytes; CacheConfigError if invalid."""
-    from pagedqvg.planning.planner import Geometry
-
-    wording = "{name} must be an int >= 1, got {value!r}"
-    for name in ("layers", "cache_sets", "chunk_tokens", "denoise_steps"):
-        check_int(f"SessionSpec.{name}", getattr(spec, name), minimum=1, error=CacheConfigError,
-                  message=wording, type_message=wording)  # fmt: skip
-    if spec.chunks is not None:
-        wording = "{name} must be None or an int >= 1, got {value!r}"
-        check_int("SessionSpec.chunks", spec.chunks, minimum=1, error=CacheConfigError,
-                  message=wording, type_message=wording)  # fmt: skip
-    if "allow_growth" in dict(spec.cache_kwargs):
-        raise CacheConfigError("SessionSpec.cache_kwargs: allow_growth has no planned peak; sessions need a fixed size")
-    try:
-        geom = Geometry(
-            caches=spec.caches,
-            cache_sets=spec.cache_sets,
-            batch_size=spec.batch_size,
-            heads=spec.num_heads,
-            head_dim=spec.head_dim,
-            dtype=spec.dtype,
-            page_bytes=page_bytes,
-            tokens_per_frame=1,
-            chunk_tokens=spec.chunk_tokens,
-            sink_tokens=spec.sink_tokens,
-            global_sink_tokens=spec.global_sink_tokens,
-            cache_size=spec.cache_size,
-            attention_window=spec.attention_window_size,
-            scene_cut_every=0,
-            denoise_steps=spec.denoise_steps,
-            quant=spec.quant if spec.quant is not None else QuantConfig(),
-        )
-        geom._check()
-    except ValueError as exc:
-        raise CacheConfigError(f"SessionSpec: {exc}") from None
-    return geom
-
-
-def planned_session_pages(spec: SessionSpec, page_bytes: int) -> int:
-    """Pool high-water pages of one session's caches run in the planner's call pattern for `spec.chunks` chunks
-    (None: to steady state). O(replay of one layer)."""
-    from pagedqvg.planning.planner import replay_chunks, replay_layer
-
-    geom = _geometry(spec, page_bytes)
-    steady = replay_chunks(geom)
-    chunks = steady if spec.chunks is None else min(spec.chunks, steady)
-    return replay_layer(geom, chunks).pool_high_water(spec.caches)
 
 
 class Session:
@@ -150,6 +61,29 @@ class Session:
     @property
     def closed(self) -> bool:
         return self.id not in self.manager._open
+
+    @property
+    def swapped(self) -> bool:
+        """True while the session's pages are in the host pool (its next call brings it back)."""
+        record = self.manager._open.get(self.id)
+        return record is not None and record.swapped
+
+    @property
+    def last_used(self) -> float | None:
+        """The manager's clock at the session's last call or `touch()` (None once closed)."""
+        record = self.manager._open.get(self.id)
+        return None if record is None else record.last_used
+
+    @contextlib.contextmanager
+    def busy(self) -> Iterator[Session]:
+        """`with session.busy():` the session is never swapped out (re-entrant, thread-safe; e.g. for the whole of a
+        request); a swapped-out session stays swapped until its next call. O(1)."""
+        record = self.manager._enter(self.id, resume=False)
+        try:
+            yield self
+        finally:
+            if record is not None:
+                self.manager._leave(record)
 
     def held_pages(self) -> int:
         """Pages the session's caches hold now. O(caches)."""
@@ -184,10 +118,16 @@ class _Record:
     forked: bool = False
     #: swapped out to the host pool: it reserves nothing on the device until `swap_in`
     swapped: bool = False
+    sid: int = 0
+    #: calls running and `busy()` blocks entered (never swapped out while > 0)
+    busy: int = 0
+    #: the fork family: the id of the session it was (transitively) forked from, else its own
+    family: int = 0
 
 
 class SessionManager:
-    """Admits, closes and reclaims sessions on one pool (thread-safe: every step holds the pool's lock).
+    """Admits, closes, reclaims and (with a host tier) swaps sessions on one pool (thread-safe: every step holds the
+    pool's lock).
 
     Args:
         pool: the shared `BlockPool`.
@@ -196,8 +136,20 @@ class SessionManager:
         clock: seconds, monotonic (default `time.monotonic`; tests pass a fake clock).
         cache_factory: builds a cache from `(pool=..., name=..., device=..., **SessionSpec.layer_kwargs())`
             (default `PagedCausalKVCache`).
-        host_pool: a second `BlockPool` (e.g. on "cpu", same page size) for `swap_out` / `swap_in` (None: no host
-            tier).
+        host_pool: the host tier for `swap_out` / `swap_in`: a second `BlockPool` with the device pool's page size
+            (e.g. on "cpu"), or its size in bytes (`host_tier.host_pool_for`: on "cpu", pinned for a CUDA pool);
+            None: no host tier. With one, a swapped-out session comes back at the next call of any of its caches
+            (`swap_in(session, wait_s=swap_in_wait_s)`; SessionRefusedError from that call, the cache unchanged and
+            still swapped, when it cannot).
+        swap_when_full: an `open`, `adopt`, `fork` or `swap_in` that does not fit first swaps idle sessions out
+            (least recently used first, fork families together; never a busy one or the one being admitted) until
+            it fits or the host pool has no room for the next one, and only then waits / refuses (default False;
+            CacheConfigError without a host pool).
+        swap_in_wait_s: seconds a call of a swapped-out session waits for room to come back (default 0.0).
+
+    Counters: `refusals`, `reclaimed`, `swapped_out_total` / `swapped_in_total` (sessions), `swapped_out_pages` /
+    `swapped_in_pages` (distinct pages copied), `swap_s_total` (seconds in page moves), `swap_in_wait_s_total` and
+    `swap_in_wait_s_max` (seconds calls of swapped-out sessions waited to be back: room and copies).
     """
 
     def __init__(
@@ -207,27 +159,48 @@ class SessionManager:
         idle_timeout_s: float | None = None,
         clock: Callable[[], float] = time.monotonic,
         cache_factory: CacheFactory | None = None,
-        host_pool: BlockPool | None = None,
+        host_pool: BlockPool | int | None = None,
+        swap_when_full: bool = False,
+        swap_in_wait_s: float = 0.0,
     ) -> None:
         if not isinstance(pool, BlockPool):
             raise CacheConfigError(f"pool must be a pagedqvg.BlockPool, got {type(pool).__name__}")
         if idle_timeout_s is not None and not idle_timeout_s > 0:
             raise CacheConfigError(f"idle_timeout_s must be None or > 0 seconds, got {idle_timeout_s!r}")
+        if isinstance(host_pool, int) and not isinstance(host_pool, bool):
+            try:
+                host_pool = host_tier.host_pool_for(pool, host_pool)
+            except ValueError as exc:
+                raise CacheConfigError(f"host_pool of {host_pool} bytes: {exc}") from None
+        if host_pool is not None and (not isinstance(host_pool, BlockPool) or host_pool.page_bytes != pool.page_bytes):
+            raise CacheConfigError(
+                f"host_pool must be a BlockPool with the device pool's {pool.page_bytes} B pages (or its size in "
+                f"bytes), got {host_pool!r}"
+            )
+        if not isinstance(swap_when_full, bool) or (swap_when_full and host_pool is None):
+            raise CacheConfigError(f"swap_when_full=True needs a host_pool; got {swap_when_full!r} with {host_pool!r}")
+        if isinstance(swap_in_wait_s, bool) or not isinstance(swap_in_wait_s, int | float) or not swap_in_wait_s >= 0:
+            raise CacheConfigError(f"swap_in_wait_s must be seconds >= 0, got {swap_in_wait_s!r}")
         self.pool = pool
         self.idle_timeout_s = idle_timeout_s
         self.clock = clock
         self._factory = cache_factory
-        if host_pool is not None and (not isinstance(host_pool, BlockPool) or host_pool.page_bytes != pool.page_bytes):
-            raise CacheConfigError(
-                f"host_pool must be a BlockPool with the device pool's {pool.page_bytes} B pages, got {host_pool!r}"
-            )
         self.host_pool = host_pool
+        self.swap_when_full = swap_when_full
+        self.swap_in_wait_s = float(swap_in_wait_s)
         self._open: dict[int, _Record] = {}
+        self._lru: OrderedDict[int, None] = OrderedDict()  # resident (not swapped) sessions, least recent first
+        self._families: dict[int, set[int]] = {}  # family id -> its open sessions (forks only)
+        self._dropped: deque[int] = deque()  # sessions whose Session object is gone (weakref callbacks)
         self._serial = 0
         self._plans: dict[SessionSpec, int] = {}
         self._changed = threading.Condition(pool.lock)
+        self._room_note = ""
         self.refusals = 0
         self.reclaimed = 0
+        self.swapped_out_total = self.swapped_in_total = 0
+        self.swapped_out_pages = self.swapped_in_pages = 0
+        self.swap_s_total = self.swap_in_wait_s_total = self.swap_in_wait_s_max = 0.0
 
     # ---------------------------------------------------------------- admission
     def planned_pages(self, spec: SessionSpec) -> int:
@@ -243,21 +216,24 @@ class SessionManager:
             return self.pool.num_free_pages - self.reserved_pages()
 
     def reserved_pages(self) -> int:
-        """Pages open sessions may still take (planned peak minus pages held now, at least 0). O(caches)."""
-        pool = self.pool
-        with pool.lock:
-            return sum(max(0, r.planned_pages - self._held(r)) for r in self._open.values() if not r.swapped)
+        """Pages resident sessions may still take (planned peak minus pages held now, at least 0; a swapped-out
+        session reserves nothing). O(resident sessions x caches)."""
+        with self.pool.lock:
+            records = self._open
+            return sum(max(0, records[sid].planned_pages - self._held(records[sid])) for sid in self._lru)
 
-    def _held(self, record: _Record) -> int:
-        """Pages a record's caches hold toward its plan: all of them, or for a fork those it holds alone."""
-        pool = self.pool
+    def _held(self, record: _Record, pool: BlockPool | None = None) -> int:
+        """Pages a record's caches hold toward its plan in `pool` (default the device pool): all of them, or for a
+        fork those it holds alone."""
+        pool = self.pool if pool is None else pool
         caches = [c for cs in record.caches for c in cs]
         held = sum(pool.pages_of(c.owner) for c in caches)
         return held - sum(pool.shared_pages_of(c.owner) for c in caches) if record.forked else held
 
     def open(self, spec: SessionSpec, *, name: str | None = None, wait_s: float = 0.0) -> Session:
         """Admit and build one session's caches, or raise SessionRefusedError (nothing allocated) when its planned
-        peak does not fit, after reclaiming abandoned sessions and waiting up to `wait_s` seconds for closes."""
+        peak does not fit, after reclaiming abandoned sessions, swapping idle ones out (`swap_when_full`) and
+        waiting up to `wait_s` seconds for closes."""
         need = self.planned_pages(spec)
         deadline = time.monotonic() + wait_s
         with self._changed:
@@ -266,23 +242,20 @@ class SessionManager:
 
     def adopt(self, caches: list[list], *, name: str | None = None, planned_pages: int = 0) -> Session:
         """Track caches built elsewhere (e.g. by a framework's allocate hook: `caches[set][layer]`, on this pool) as
-        one session, so `close` and `reclaim` apply to them. `planned_pages` is reserved like an opened session's plan
-        (SessionRefusedError, nothing changed, when it does not fit; 0: nothing reserved). O(open sessions)."""
+        one session, so `close`, `reclaim` and the host tier apply to them. `planned_pages` is reserved like an opened
+        session's plan (SessionRefusedError, nothing changed, when it does not fit after `swap_when_full`'s swaps;
+        0: nothing reserved). O(open sessions)."""
         pool = self.pool
         for cache in (c for cs in caches for c in cs):
             if getattr(cache, "pool", None) is not pool:
                 raise CacheConfigError(f"adopt: {cache!r} is not a cache of this manager's pool {pool!r}")
         with self._changed:
-            self.reclaim()
-            available = self.available_pages()
-            if planned_pages > available:
-                self.refusals += 1
-                raise self._room_error(f"adopt: {planned_pages} planned pages", planned_pages, available, "")
-            self._serial += 1
-            sid = self._serial
-            session = Session(self, sid, name or f"session{sid}", caches, planned_pages)
-            self._open[sid] = _Record(caches, planned_pages, weakref.ref(session), self.clock())
-            return session
+            self._wait_for_room(
+                lambda: planned_pages,
+                time.monotonic(),
+                lambda n, available: self._room_error(f"adopt: {planned_pages} planned pages", n, available, ""),
+            )
+            return self._track(caches, name, planned_pages)
 
     def fork(
         self, session: Session, *, name: str | None = None, divergence_pages: int | None = None, wait_s: float = 0.0
@@ -293,8 +266,9 @@ class SessionManager:
         It is admitted with a reservation for its divergence: `divergence_pages` pages (default and minimum: the
         pages of every cache's current chunk, which its next rewrite copies), counted against the pages the fork
         holds alone, so what it copies or appends draws from its own reservation. SessionRefusedError (nothing
-        changed) when the reservation does not fit, after reclaiming and waiting up to `wait_s` seconds;
-        CacheConfigError for a closed session or a bad count. O(pages of the session)."""
+        changed) when the reservation does not fit, after reclaiming, swapping idle sessions out (`swap_when_full`;
+        never `session`) and waiting up to `wait_s` seconds; CacheConfigError for a closed or swapped-out session
+        or a bad count. O(pages of the session)."""
         if session.manager is not self or session.closed or self._open[session.id].swapped:
             raise CacheConfigError(f"fork: {session.name} is not an open session of this manager on the device")
         if divergence_pages is not None:
@@ -308,66 +282,96 @@ class SessionManager:
                     f"fork of {session.name}: its divergence needs {n} pages", n, available,
                     "; close sessions, wait (wait_s), or plan less divergence",
                 ),
+                exclude=frozenset((session.id,)),
             )  # fmt: skip
-            self._serial += 1
-            sid = self._serial
-            label = name or f"{session.name}.fork{sid}"
+            parent = self._open.get(session.id)
+            if parent is None or parent.swapped:  # closed or swapped out while this waited
+                raise CacheConfigError(f"fork: {session.name} was closed or swapped out while the fork waited")
+            label = name or f"{session.name}.fork{self._serial + 1}"
             caches = [[c.fork(name=f"{label}.set{s}.layer{i}") for i, c in enumerate(cs)]
                       for s, cs in enumerate(session.caches)]  # fmt: skip
-            child = Session(self, sid, label, caches, need)
-            self._open[sid] = _Record(caches, need, weakref.ref(child), self.clock(), forked=True)
+            child = self._track(caches, label, need, forked=True, family=parent.family)
+            self._families.setdefault(parent.family, {parent.family}).add(child.id)
             return child
 
-    # ---------------------------------------------------------------- the host tier (serving/host_tier.py)
-    def swap_out(self, session: Session) -> int:
-        """Move every page of an open session into `host_pool` and give its device pages back (its caches refuse
-        calls until `swap_in`; it reserves nothing meanwhile). Returns the pages moved. PoolExhaustedError when the
-        host pool has no room, CacheConfigError without a host pool or for a session not open here or swapped out
-        already: the session stays where it was. O(pages of the session)."""
-        record = self._tier_record(session, "swap_out", swapped=False)
-        assert self.host_pool is not None
-        with self._changed, self.host_pool.lock:
-            moved = host_tier.swap_out_caches(self.pool, self.host_pool, [c for cs in record.caches for c in cs])
-            record.swapped = True
-            self._changed.notify_all()
-        return moved
-
-    def swap_in(self, session: Session, *, wait_s: float = 0.0) -> int:
-        """Bring a swapped-out session back into any free device pages (views bit-equal to before the swap), once
-        its planned peak (at least the pages it brings) fits what open sessions leave, waiting up to `wait_s`
-        seconds for closes; returns the pages moved. SessionRefusedError (the session stays on the host) otherwise.
-        O(pages of the session)."""
-        record = self._tier_record(session, "swap_in", swapped=True)
-        caches = [c for cs in record.caches for c in cs]
-        need = max(record.planned_pages, sum(len(p) for p in host_tier.session_pages(caches)))
-        deadline = time.monotonic() + wait_s
-        assert self.host_pool is not None
+    # ---------------------------------------------------------------- the host tier (host_tier.py, tiering.py)
+    def swap_out(self, session: Session, *more: Session) -> int:
+        """Move every page of open sessions (e.g. a parent and its forks: a page several of them hold is copied
+        once) into `host_pool` and give their device pages back (their next call brings them back; they reserve
+        nothing meanwhile). Returns the distinct pages copied. PoolExhaustedError when the host pool has no room, an
+        error of the copy as raised, CacheConfigError without a host pool or for a session not open here, swapped
+        out already, listed twice or busy: every session stays where it was. O(pages of the sessions)."""
         with self._changed:
-            self._wait_for_room(
-                lambda: need,
-                deadline,
-                lambda n, available: self._room_error(
-                    f"swap_in of {session.name}: needs {n} pages", n, available,
-                    "; close or swap out sessions, or wait (wait_s)",
-                ),
-                reclaim=False,
-            )  # fmt: skip
-            with self.host_pool.lock:
-                moved = host_tier.swap_in_caches(self.pool, self.host_pool, caches)
-            record.swapped = False
-            record.last_used = self.clock()
-        return moved
+            records = self._tier_records((session, *more), "swap_out", swapped=False)
+            for s, r in zip((session, *more), records, strict=True):
+                if r.busy:
+                    raise CacheConfigError(f"swap_out: {s.name} is busy (a call or a busy() block is running)")
+            return self._swap_out_records(records)
 
-    def _tier_record(self, session: Session, what: str, *, swapped: bool) -> _Record:
-        """The record of an open session of this manager in the given swap state; CacheConfigError otherwise."""
+    def swap_in(self, session: Session, *more: Session, wait_s: float = 0.0) -> int:
+        """Bring swapped-out sessions back into any free device pages (views bit-equal to before the swap; a page
+        several of them share comes back as one shared page) once their planned peaks (at least the pages they
+        bring) fit what resident sessions leave, after swapping idle sessions out (`swap_when_full`) and waiting up
+        to `wait_s` seconds for room; returns the distinct pages copied. SessionRefusedError (every session stays
+        on the host) otherwise; CacheConfigError for a session not swapped out. O(pages of the sessions)."""
+        with self._changed:
+            records = self._tier_records((session, *more), "swap_in", swapped=True)
+            return self._swap_in_records(records, wait_s)
+
+    def _swap_out_records(self, records: list[_Record]) -> int:
+        """Swap resident `records` out together (the caller holds the lock and checked them): `tiering`."""
+        return tiering.swap_out_records(self, records)
+
+    def _swap_in_records(self, records: list[_Record], wait_s: float) -> int:
+        """Wait for room and swap `records` back in together (the caller holds the lock): `tiering`."""
+        return tiering.swap_in_records(self, records, wait_s)
+
+    def _tier_records(self, sessions: tuple[Session, ...], what: str, *, swapped: bool) -> list[_Record]:
+        """The records of distinct open sessions of this manager in the given swap state; CacheConfigError
+        otherwise."""
         if self.host_pool is None:
             raise CacheConfigError(f"{what}: this SessionManager has no host_pool (give one to use the host tier)")
-        record = self._open.get(session.id) if session.manager is self else None
-        if record is None or record.swapped != swapped:
-            state = "not an open session of this manager" if record is None else (
-                "swapped out already" if record.swapped else "not swapped out")  # fmt: skip
-            raise CacheConfigError(f"{what}: {session.name} is {state}")
-        return record
+        records = []
+        for session in sessions:
+            record = self._open.get(session.id) if isinstance(session, Session) and session.manager is self else None
+            if record is None or record.swapped != swapped or record in records:
+                state = "not an open session of this manager" if record is None else (
+                    "listed twice" if record in records else
+                    "swapped out already" if record.swapped else "not swapped out")  # fmt: skip
+                raise CacheConfigError(f"{what}: {getattr(session, 'name', session)!r} is {state}")
+            records.append(record)
+        return records
+
+    def _enter(self, sid: int, *, resume: bool) -> _Record | None:
+        """A call (or a `busy()` block) of session `sid` starts: back from the host first when `resume` and it is
+        swapped out (SessionRefusedError if it cannot come back), then busy, its last use renewed. None for a
+        closed session."""
+        with self._changed:
+            record = self._open.get(sid)
+            if record is None:
+                return None
+            if resume and record.swapped:
+                t0 = time.monotonic()
+                try:
+                    self._swap_in_records([record], self.swap_in_wait_s)
+                finally:
+                    waited = time.monotonic() - t0
+                    self.swap_in_wait_s_total += waited
+                    self.swap_in_wait_s_max = max(self.swap_in_wait_s_max, waited)
+                if self._open.get(sid) is not record:
+                    return None  # closed while it waited: the call raises CacheClosedError
+            record.busy += 1
+            record.last_used = self.clock()
+            if sid in self._lru:
+                self._lru.move_to_end(sid)
+            return record
+
+    def _leave(self, record: _Record) -> None:
+        """The call (or `busy()` block) that `_enter` started ended; waiters for idle sessions are woken."""
+        with self._changed:
+            record.busy -= 1
+            if not record.busy:
+                self._changed.notify_all()
 
     def _wait_for_room(
         self,
@@ -376,20 +380,34 @@ class SessionManager:
         refusal: Callable[[int, int], SessionRefusedError],
         *,
         reclaim: bool = True,
+        exclude: frozenset[int] = frozenset(),
+        done: Callable[[], bool] | None = None,
     ) -> int:
-        """With `self._changed` held: wait until `need()` pages fit what open sessions leave (reclaiming abandoned
-        sessions before each look when `reclaim`), until `deadline` (`time.monotonic()` seconds); returns the need.
-        Otherwise counts a refusal and raises `refusal(need, available)`. O(open sessions) per look."""
+        """With `self._changed` held: wait until `need()` pages fit what resident sessions leave (reclaiming
+        abandoned sessions before each look when `reclaim`; swapping idle sessions out of `exclude` first with
+        `swap_when_full`), or until `done()`, until `deadline` (`time.monotonic()` seconds); returns the need.
+        Otherwise counts a refusal and raises `refusal(need, available)` (with `swap_when_full`, saying how many
+        sessions were swapped out and why it stopped). O(resident sessions) per look."""
+        swapped = 0
         while True:
             if reclaim:
                 self.reclaim()
+            if done is not None and done():
+                return 0
             pages, available = need(), self.available_pages()
+            if pages > available and self.swap_when_full:
+                swapped += tiering.make_room(self, pages - available, exclude)
+                pages, available = need(), self.available_pages()
             if pages <= available:
                 return pages
             left = deadline - time.monotonic()
             if left <= 0:
                 self.refusals += 1
-                raise refusal(pages, available)
+                exc = refusal(pages, available)
+                if self.swap_when_full:
+                    exc.args = (f"{exc.args[0]} (swap_when_full swapped {swapped} idle session(s) out first; "
+                                f"then {self._room_note})",)  # fmt: skip
+                raise exc
             self._changed.wait(left)
 
     def _room_error(self, head: str, need: int, available: int, advice: str) -> SessionRefusedError:
@@ -407,8 +425,8 @@ class SessionManager:
         return SessionRefusedError(
             f"session of {spec.cache_sets} set(s) x {spec.layers} layers needs {need} pages of {pool.page_bytes} B "
             f"at its planned peak, but only {available} are available: {pool.num_free_pages} of {pool.num_pages} "
-            f"free, {self.reserved_pages()} reserved by {len(self._open)} open session(s) for their planned peaks; "
-            f"close sessions, wait (wait_s), or plan a smaller one",
+            f"free, {self.reserved_pages()} reserved by {len(self._lru)} resident session(s) for their planned "
+            f"peaks; close sessions, wait (wait_s), or plan a smaller one",
             needed_pages=need,
             available_pages=available,
             free_pages=pool.num_free_pages,
@@ -416,13 +434,29 @@ class SessionManager:
         )
 
     def _admit(self, spec: SessionSpec, name: str | None, need: int) -> Session:
+        label = name or f"session{self._serial + 1}"
+        return self._track(self._build(spec, label), label, need)
+
+    def _track(
+        self, caches: list[list], name: str | None, planned: int, *, forked: bool = False, family: int = 0
+    ) -> Session:
+        """A new record and `Session` for `caches` (resident, most recently used; the caller holds the lock)."""
         self._serial += 1
         sid = self._serial
-        label = name or f"session{sid}"
-        caches = self._build(spec, label)
-        session = Session(self, sid, label, caches, need)
-        self._open[sid] = _Record(caches, need, weakref.ref(session), self.clock())
+        session = Session(self, sid, name or f"session{sid}", caches, planned)
+        ref = weakref.ref(session, lambda _, sid=sid, dropped=self._dropped: dropped.append(sid))
+        record = _Record(caches, planned, ref, self.clock(), forked=forked, sid=sid, family=family or sid)
+        self._open[sid] = record
+        self._lru[sid] = None
+        if self.host_pool is not None:
+            gate = tiering.SessionCalls(self, sid, [c for cs in caches for c in cs])
+            for cache in gate_targets(caches):
+                cache._tier = gate
         return session
+
+    def _name(self, record: _Record) -> str:
+        session = record.ref()
+        return session.name if session is not None else f"session{record.sid}"
 
     def _build(self, spec: SessionSpec, label: str) -> list[list]:
         """Every cache of the session; on a failure the ones built are closed again (nothing stays allocated)."""
@@ -450,13 +484,22 @@ class SessionManager:
             record = self._open.get(sid)
             if record is not None:
                 record.last_used = self.clock()
+                if sid in self._lru:
+                    self._lru.move_to_end(sid)
 
     def _close(self, sid: int) -> None:
         with self._changed:
             record = self._open.pop(sid, None)
             if record is None:
                 return
+            self._lru.pop(sid, None)
+            family = self._families.get(record.family)
+            if family is not None:
+                family.discard(sid)
+                if not family:
+                    del self._families[record.family]
             for cache in (c for cs in record.caches for c in cs):
+                cache._tier = None
                 if record.swapped:  # its segments list host pages: those go back, the cache is emptied
                     assert self.host_pool is not None
                     self.host_pool.release_owner(cache.owner)
@@ -468,16 +511,19 @@ class SessionManager:
             self._changed.notify_all()
 
     def reclaim(self) -> int:
-        """Close every abandoned session: its `Session` object is gone, or its lease ran out. Returns how many."""
+        """Close every abandoned session: its `Session` object is gone, or its lease ran out. Returns how many.
+        O(dropped sessions), plus O(open sessions) with an idle timeout."""
         with self._changed:
-            now = self.clock()
+            dead: set[int] = set()
+            while self._dropped:
+                sid = self._dropped.popleft()
+                if sid in self._open:
+                    dead.add(sid)
             timeout = self.idle_timeout_s
-            dead = [
-                sid
-                for sid, r in self._open.items()
-                if r.ref() is None or (timeout is not None and now - r.last_used > timeout)
-            ]
-            for sid in dead:
+            if timeout is not None:
+                now = self.clock()
+                dead.update(sid for sid, r in self._open.items() if now - r.last_used > timeout and not r.busy)
+            for sid in sorted(dead):
                 self._close(sid)
             self.reclaimed += len(dead)
             return len(dead)
@@ -491,6 +537,17 @@ class SessionManager:
     @property
     def open_sessions(self) -> int:
         return len(self._open)
+
+    @property
+    def swapped_sessions(self) -> int:
+        """Open sessions swapped out to the host pool now. O(1)."""
+        return len(self._open) - len(self._lru)
+
+
+def gate_targets(caches: list[list]) -> list:
+    """The caches of a session that take the host tier's call gate (those with a `_tier` hook:
+    `PagedCausalKVCache` and its subclasses; a foreign cache factory's objects without one are left alone)."""
+    return [c for cs in caches for c in cs if hasattr(type(c), "_tier")]
 
 
 def _current_chunk_pages(caches: list[list]) -> int:

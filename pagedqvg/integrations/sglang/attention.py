@@ -9,6 +9,9 @@ head slice is the cache's `cache_head_start`) pass them straight to a `LocalAtte
 (`attention.attend_pages`, scale `LocalAttention.softmax_scale`). Any other use of `view.k` / `view.v` (slicing,
 `torch.stack`, an all-gather input, ...) materializes the view once (the exact tensors mode `view` returns) through
 `__torch_dispatch__`. A pending view is valid until its cache's next call; using it later raises IntegrationError.
+
+Modes `heads` and `auto` (the default) defer the view the same way; the wrapper then calls SGLang's forward per head
+group, or (auto, a backend not on the allowlist) once over the built view: head_groups.py.
 """
 
 from __future__ import annotations
@@ -21,17 +24,19 @@ import torch
 from torch.utils._pytree import tree_map
 
 from pagedqvg.errors import CacheConfigError, IntegrationError
-from pagedqvg.integrations.sglang.head_groups import heads_attention
+from pagedqvg.integrations.sglang.head_groups import auto_attention, heads_attention, heads_may_default, say_default
 from pagedqvg.integrations.sglang.runtime import integration
 from pagedqvg.integrations.sglang.versions import CURRENT, targets_for
 
 #: The environment variable the plugin reads (`attention_mode_from_env`).
 ATTENTION_ENV = "PAGEDQVG_ATTENTION"
-#: Valid modes: `view` (SGLang attends over the materialized view; default), `pages` and `heads` (SGLang's forward
-#: per head group over that group's view: head_groups.py).
-ATTENTION_MODES = ("view", "pages", "heads")
-#: The modes whose cache calls defer the view (`pages_view`) and whose `LocalAttention.forward` is wrapped.
-DEFERRED_MODES = ("pages", "heads")
+#: Valid modes: `view` (SGLang attends over the materialized view), `pages`, `heads` (SGLang's forward per head
+#: group over that group's view: head_groups.py) and `auto` (`PAGEDQVG_ATTENTION` unset: per call `heads` where its
+#: backend, device type and torch version are on head_groups.HEADS_DEFAULT_ALLOWLIST, else `view`).
+ATTENTION_MODES = ("view", "pages", "heads", "auto")
+#: The modes whose `LocalAttention.forward` is wrapped and whose cache calls defer the view (`pages_view`; `auto`
+#: only where `heads_may_default`: `defers_view`).
+DEFERRED_MODES = ("pages", "heads", "auto")
 #: SGLang's `LocalAttention.forward` (the attention every causal self-attention calls): versions.py's table.
 ATTENTION_TARGET = targets_for(CURRENT, "attention")[0]
 ATTENTION_LAYER_MODULE = ATTENTION_TARGET.module
@@ -45,10 +50,10 @@ def check_attention_mode(mode: object, source: str = "attention") -> str:
 
 
 def attention_mode_from_env(environ: Mapping[str, str] | None = None) -> str:
-    """`PAGEDQVG_ATTENTION` (`pages` or `view`, case-insensitive; unset or empty: `view`). A bad value raises
-    CacheConfigError naming the variable, the value and the valid forms."""
+    """`PAGEDQVG_ATTENTION` (`view`, `pages`, `heads` or `auto`, case-insensitive; unset or empty: `auto`, the
+    default). A bad value raises CacheConfigError naming the variable, the value and the valid forms."""
     value = (os.environ if environ is None else environ).get(ATTENTION_ENV, "")
-    return "view" if value.strip() == "" else check_attention_mode(value, ATTENTION_ENV)
+    return "auto" if value.strip() == "" else check_attention_mode(value, ATTENTION_ENV)
 
 
 def attention_mode() -> str:
@@ -63,6 +68,20 @@ def set_attention_mode(mode: str) -> str:
     return before
 
 
+def defers_view(cache: Any) -> bool:
+    """Whether `cache`'s call in the mode in force defers its view (`pages_view`): always in `pages` and `heads`;
+    in `auto` where some allowlist entry is for the cache's device type and the running torch (else the call is
+    mode `view`'s, and the reason is logged once). O(allowlist)."""
+    mode = integration().attention_mode
+    if mode != "auto":
+        return mode in DEFERRED_MODES
+    device = cache.device.type
+    if heads_may_default(device, torch.__version__):
+        return True
+    say_default("view", f"no heads allowlist entry is for {device}, torch {torch.__version__}")
+    return False
+
+
 class PendingPages:
     """One pages-mode call's view, not built: the cache's plan of the rows, materialized at most once."""
 
@@ -70,7 +89,7 @@ class PendingPages:
         self.cache, self.plan, self.h0, self.hin, self.ls, self.le = cache, plan, h0, hin, ls, le
         self.epoch = _epoch(cache)
         self.state = cache._seq.state
-        self.mode = attention_mode()  # "pages" or "heads": how the LocalAttention wrapper attends
+        self.mode = attention_mode()  # "pages", "heads" or "auto": how the LocalAttention wrapper attends
         self.view: Any = None
 
     def _check_current(self, what: str) -> None:
@@ -189,9 +208,13 @@ def pages_attention_around(original: Any, layer: Any, q: Any, k: Any, v: Any, at
 
 
 def _attend_pair(original: Any, layer: Any, q: Any, k: Any) -> Any:
-    """A pending view's attention: from pages (mode `pages`) or SGLang's forward per head group (`heads`)."""
-    if k.pending.mode == "heads":
+    """A pending view's attention: from pages (mode `pages`), SGLang's forward per head group (`heads`), or as the
+    default decides for the layer's backend (`auto`: heads or view)."""
+    mode = k.pending.mode
+    if mode == "heads":
         return heads_attention(original, layer, q, k.pending)
+    if mode == "auto":
+        return auto_attention(original, layer, q, k.pending)
     return k.pending.attend(q, float(layer.softmax_scale))
 
 

@@ -225,7 +225,7 @@ class _SGLangSurface(PagedCausalKVCache):
             key = key.to(self.dtype)
         if isinstance(value, torch.Tensor) and value.dtype != self.dtype and value.dtype.is_floating_point:
             value = value.to(self.dtype)
-        if _attention.attention_mode() in _attention.DEFERRED_MODES:  # attention.py: the view deferred (pages, heads)
+        if _attention.defers_view(self):  # attention.py: the view deferred (pages, heads; auto where allowlisted)
             return _attention.pages_view(
                 self, key, value, current_chunk_start, cache_head_start, recent_window_tokens, debug_name
             )

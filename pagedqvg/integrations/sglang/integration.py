@@ -67,7 +67,10 @@ __all__ = [
 
 #: The cache classes' targets: SGLang's classes pagedqvg's replace (by name), and pagedqvg's replacement of each.
 CACHE_CLASSES = targets_for(CURRENT, "cache_class")
-_OURS = {"CausalSelfAttentionKVCache": PagedCausalSelfAttentionKVCache, "QVGPackedCausalKVCache": PagedQVGPackedCausalKVCache}  # noqa: E501
+_OURS = {
+    "CausalSelfAttentionKVCache": PagedCausalSelfAttentionKVCache,
+    "QVGPackedCausalKVCache": PagedQVGPackedCausalKVCache,
+}
 #: Modules install() imports (when importable) so that their bindings are patched too (versions.py, kind binding).
 BINDING_MODULES = tuple(t.module for t in targets_for(CURRENT, "binding"))
 #: The module that must import for install() to work (the base causal stage).
@@ -89,20 +92,22 @@ def shared_pool(device: torch.device | str, *, token_bytes: int = 0, shape: Pool
 
 def configure(
     *, memory_fraction: float | None = None, budget_bytes: int | None = None, quant: QuantConfig | None = None,
-    quant_override: bool = False,
+    quant_override: bool = False, host_budget_bytes: int | None = None,
 ) -> None:  # fmt: skip
-    """The pool policy (as `install()`'s) and, with `quant_override`, the quantization every stage gets (`quant`, a
-    parsed `QuantConfig`; None or disabled: off) instead of its own, without patching anything: for the entry-point
-    plugin, whose SGLang hooks call `allocate_around`. Raises CacheConfigError as `install()`."""
-    _check_install_args(None, memory_fraction, budget_bytes)
+    """The pool policy (as `install()`'s, `host_budget_bytes` included) and, with `quant_override`, the quantization
+    every stage gets (`quant`, a parsed `QuantConfig`; None or disabled: off) instead of its own, without patching
+    anything: for the entry-point plugin, whose SGLang hooks call `allocate_around`. Raises CacheConfigError as
+    `install()`."""
+    _check_install_args(None, memory_fraction, budget_bytes, host_budget_bytes)
     if quant is not None and not isinstance(quant, QuantConfig):
         raise CacheConfigError(f"quant must be a pagedqvg.QuantConfig or None, got {type(quant).__name__}")
     integration().configure(
-        memory_fraction=memory_fraction, budget_bytes=budget_bytes, quant=quant, quant_override=quant_override
-    )
+        memory_fraction=memory_fraction, budget_bytes=budget_bytes, quant=quant, quant_override=quant_override,
+        host_budget_bytes=host_budget_bytes,
+    )  # fmt: skip
 
 
-def _check_install_args(pool: object, memory_fraction: object, budget_bytes: object) -> None:
+def _check_install_args(pool: object, memory_fraction: object, budget_bytes: object, host_budget: object) -> None:
     if pool is not None and not isinstance(pool, BlockPool):
         raise CacheConfigError(f"pool must be a pagedqvg.BlockPool or None, got {type(pool).__name__}")
     if memory_fraction is not None and budget_bytes is not None:
@@ -119,6 +124,10 @@ def _check_install_args(pool: object, memory_fraction: object, budget_bytes: obj
         isinstance(budget_bytes, bool) or not isinstance(budget_bytes, int) or budget_bytes <= 0
     ):
         raise CacheConfigError(f"budget_bytes must be an int > 0 (bytes), got {budget_bytes!r}")
+    if host_budget is not None and (type(host_budget) is not int or host_budget < 0):
+        raise CacheConfigError(
+            f"host_budget_bytes must be None or an int >= 0 (bytes of the host tier, 0: none), got {host_budget!r}"
+        )
     if pool is None and memory_fraction is None and budget_bytes is None:
         raise CacheConfigError(
             "install() needs pool=BlockPool(...), budget_bytes=N or memory_fraction=F (0 < F <= 1) for the shared pool"
@@ -204,12 +213,15 @@ def _patch_stages(modules: dict[str, Any], done: list[str]) -> None:
         if isinstance(cls, type) and target.attribute in cls.__dict__:
             original = cls.__dict__[target.attribute]
             _patch(cls, target.attribute, _wrapped(target, original), target.path, done)
+
+
 def install(
     *,
     pool: BlockPool | None = None,
     memory_fraction: float | None = None,
     budget_bytes: int | None = None,
     attention: str = "view",
+    host_budget_bytes: int | None = None,
 ) -> list[str]:
     """Make SGLang build pagedqvg caches wherever it builds `CausalSelfAttentionKVCache` or
     `QVGPackedCausalKVCache`; every cache of a device shares one `BlockPool`.
@@ -222,6 +234,9 @@ def install(
         At least one is required; `memory_fraction` and `budget_bytes` exclude each other.
         attention: `view` (SGLang attends over the materialized view) or `pages` (SGLang's causal self-attention
             computed from the pages; sglang_attention.py). The plugin passes `attention_mode_from_env()`.
+        host_budget_bytes: a host tier per device pool (PAGEDQVG_HOST_BUDGET): a CPU pool of this many bytes at the
+            pool's page, made with the pool; when a session does not fit, idle sessions (realtime sessions between
+            chunk calls) are swapped out there and come back at their next call (None or 0: no host tier).
 
     Returns:
         What was patched, as `module.attribute` strings (both classes in every SGLang module that binds them, and
@@ -233,7 +248,7 @@ def install(
         CacheConfigError: bad arguments (nothing changes).
         IntegrationError: SGLang 0.5.23's multimodal_gen is not importable (nothing is patched).
     """
-    _check_install_args(pool, memory_fraction, budget_bytes)
+    _check_install_args(pool, memory_fraction, budget_bytes, host_budget_bytes)
     mode = _attention.check_attention_mode(attention)
     integ = integration()
     with integ.lock:
@@ -247,7 +262,9 @@ def install(
         if mode in _attention.DEFERRED_MODES:
             _attention.patch_attention(_patch, done)
         _attention.set_attention_mode(mode)
-        integ.configure(pool=pool, memory_fraction=memory_fraction, budget_bytes=budget_bytes)
+        integ.configure(
+            pool=pool, memory_fraction=memory_fraction, budget_bytes=budget_bytes, host_budget_bytes=host_budget_bytes
+        )
         return installed()
 
 

@@ -10,6 +10,9 @@ Configuration (environment variables, inherited by spawned workers):
     PAGEDQVG_BUDGET            the pool of each rank: bytes (`25769803776`) or a size (`24GiB`, `512MiB`, `1.5GB`,
                                `2M`), read by `pagedqvg.sizes.parse_size` as the CLI reads it; at least 1MiB
     PAGEDQVG_MEMORY_FRACTION   instead: a fraction in (0, 1] of the device's free memory at the worker's first cache
+    PAGEDQVG_HOST_BUDGET       a host tier per rank: a size (the same forms, at least 1MiB; unset or 0: none) of CPU
+                               memory (pinned on CUDA) where idle realtime sessions are swapped out when a session
+                               does not fit the pool; needs PAGEDQVG_BUDGET or PAGEDQVG_MEMORY_FRACTION
     PAGEDQVG_KV_CACHE_QUANT    off | int4 | int2 | compact: quantize every causal stage's caches (overrides
                                SGLang's --kv-cache-quant* for LingBot-World); unset: each stage's own setting
     PAGEDQVG_KV_CACHE_QUANT_<FLAG>  each of SGLang's --kv-cache-quant-<flag> (CENTROIDS, BLOCK_SIZE, STAGES, ITERS,
@@ -19,10 +22,12 @@ Configuration (environment variables, inherited by spawned workers):
                                history's (PAGEDQVG_KV_CACHE_QUANT's, the default), false = dense
     PAGEDQVG_KV_CACHE_QUANT_RECENT  the recent tier's format (the KEEP_RECENT newest completed chunks): bf16 (dense,
                                the default), fp8, int4, int2, compact, no coarser than the history's
-    PAGEDQVG_ATTENTION         view (default) | pages: SGLang's causal self-attention computes attention straight
-                               from the pool's pages (`update_and_attend`) instead of over a materialized view |
-                               heads: SGLang's own attention per group of heads over that group's view
-    PAGEDQVG_ATTENTION_HEAD_GROUPS  mode heads: heads per group (an int >= 1); unset or auto: the cost model
+    PAGEDQVG_ATTENTION         unset or auto (default): per call heads where (backend, device type, torch version)
+                               is on head_groups.HEADS_DEFAULT_ALLOWLIST, else view | view: SGLang attends over the
+                               materialized view, always | pages: SGLang's causal self-attention computes attention
+                               straight from the pool's pages (`update_and_attend`) | heads: SGLang's own attention
+                               per group of heads over that group's view
+    PAGEDQVG_ATTENTION_HEAD_GROUPS  modes heads and auto: heads per group (an int >= 1); unset or auto: the cost model
     PAGEDQVG=off               disable (the plugin registers nothing)
 The variables are parsed once, at registration, into `PluginSettings` (the quantization a `QuantConfig`, tiers
 included), which configures the process's one integration object (`runtime.integration()`). Any
@@ -63,6 +68,7 @@ __all__ = [
     "ENV_ATTENTION",
     "ENV_BUDGET",
     "ENV_FRACTION",
+    "ENV_HOST_BUDGET",
     "ENV_QUANT",
     "ENV_QUANT_RECENT",
     "ENV_QUANT_SINK",
@@ -75,6 +81,7 @@ __all__ = [
 ENV_SWITCH = "PAGEDQVG"
 ENV_BUDGET = "PAGEDQVG_BUDGET"
 ENV_FRACTION = "PAGEDQVG_MEMORY_FRACTION"
+ENV_HOST_BUDGET = "PAGEDQVG_HOST_BUDGET"
 ENV_QUANT = "PAGEDQVG_KV_CACHE_QUANT"
 ENV_QUANT_SINK = "PAGEDQVG_KV_CACHE_QUANT_SINK"
 ENV_QUANT_RECENT = "PAGEDQVG_KV_CACHE_QUANT_RECENT"
@@ -100,7 +107,8 @@ class PluginConfigError(IntegrationError):
 class PluginSettings:
     """The plugin's configuration from the environment, parsed once at registration. `active` False: `reason` says
     why and how to enable. `quant`: the parsed PAGEDQVG_KV_CACHE_QUANT* (`QuantConfig`, tiers included; disabled for
-    `off`), which then overrides every stage's own; None when unset (each stage's own setting)."""
+    `off`), which then overrides every stage's own; None when unset (each stage's own setting). `host_budget_bytes`:
+    the host tier of each rank (PAGEDQVG_HOST_BUDGET; None: no host tier)."""
 
     active: bool
     reason: str = ""
@@ -108,11 +116,18 @@ class PluginSettings:
     memory_fraction: float | None = None
     quant: QuantConfig | None = None
     given: dict[str, str] = field(default_factory=dict)
-    attention: str = "view"  # PAGEDQVG_ATTENTION: "view", "pages" or "heads"
+    attention: str = "auto"  # PAGEDQVG_ATTENTION: "auto" (unset), "view", "pages" or "heads"
+    host_budget_bytes: int | None = None
 
     def describe(self) -> str:
-        """One line: the budget per rank and the quantization."""
+        """One line: the budget per rank, the host tier (when there is one), the quantization and the attention
+        mode."""
         size = f"budget {self.budget_bytes} bytes" if self.budget_bytes else f"{self.memory_fraction} of free memory"
+        if self.host_budget_bytes:
+            size += (
+                f", host tier {self.host_budget_bytes} bytes ({ENV_HOST_BUDGET}: idle realtime sessions swapped out "
+                f"when a session does not fit)"
+            )
         cfg = self.quant
         if cfg is None:
             quant = "each stage's own (dense unless LingBot-World's --kv-cache-quant)"
@@ -126,7 +141,9 @@ class PluginSettings:
                 quant += ")"
         return f"pool per rank on its device at the first cache, {size}; quantization: {quant}; attention: " + (
             "from pages (PAGEDQVG_ATTENTION=pages)" if self.attention == "pages"
-            else "by head groups (PAGEDQVG_ATTENTION=heads)" if self.attention == "heads" else "over the view"
+            else "by head groups (PAGEDQVG_ATTENTION=heads)" if self.attention == "heads"
+            else "over the view (PAGEDQVG_ATTENTION=view)" if self.attention == "view"
+            else "over the view, by head groups where the backend is allowlisted (PAGEDQVG_ATTENTION unset)"
         )  # fmt: skip
 
 
@@ -143,6 +160,23 @@ def parse_size(variable: str, raw: str) -> int:
                 f"at least 1MiB, as {SIZE_FORMS}"
             ) from None
         raise PluginConfigError(str(exc)) from None
+
+
+def parse_host_budget(variable: str, raw: str) -> int | None:
+    """Bytes of the host tier (`PAGEDQVG_HOST_BUDGET`): a size as `parse_size` reads it, at least one 1 MiB page, or
+    0 in any form (`0`, `0GiB`): no host tier (None); PluginConfigError naming `variable` otherwise."""
+    try:
+        size = _parse_size(raw, name=variable, minimum=-(1 << 128))
+    except SizeError as exc:
+        raise PluginConfigError(str(exc)) from None
+    if size == 0:
+        return None
+    if size < DEFAULT_PAGE_BYTES:
+        raise PluginConfigError(
+            f"{variable}={raw!r} is {size} bytes, below one page ({DEFAULT_PAGE_BYTES} bytes = 1MiB); valid: 0 or "
+            f"unset (no host tier), or at least 1MiB, as {SIZE_FORMS}"
+        )
+    return size
 
 
 def parse_fraction(variable: str, raw: str) -> float:
@@ -219,15 +253,23 @@ def settings_from_env(env: Mapping[str, str] | None = None) -> PluginSettings:
         raise PluginConfigError(
             f"{ENV_BUDGET}={env[ENV_BUDGET]!r} and {ENV_FRACTION}={env[ENV_FRACTION]!r} are both set; valid: one"
         )
+    host = parse_host_budget(ENV_HOST_BUDGET, env[ENV_HOST_BUDGET]) if ENV_HOST_BUDGET in env else None
     quant = parse_quant(env)
     attention = parse_attention(env)
     if budget is None and fraction is None:
-        if quant is not None or attention != "view" or switch in ("on", "1", "true", "yes"):
+        if (
+            host is not None
+            or quant is not None
+            or attention in ("pages", "heads")
+            or switch in ("on", "1", "true", "yes")
+        ):
             asked = (
-                f"{ENV_QUANT}={env[ENV_QUANT]!r}"
+                f"{ENV_HOST_BUDGET}={env[ENV_HOST_BUDGET]!r} (a host tier for the device pool)"
+                if host is not None
+                else f"{ENV_QUANT}={env[ENV_QUANT]!r}"
                 if quant is not None
                 else f"{ENV_ATTENTION}={env[ENV_ATTENTION]!r}"
-                if attention != "view"
+                if attention in ("pages", "heads")
                 else f"{ENV_SWITCH}={env[ENV_SWITCH]!r}"
             )
             raise PluginConfigError(
@@ -241,19 +283,20 @@ def settings_from_env(env: Mapping[str, str] | None = None) -> PluginSettings:
             given=given,
         )
     return PluginSettings(
-        True, budget_bytes=budget, memory_fraction=fraction, quant=quant, given=given, attention=attention
-    )
+        True, budget_bytes=budget, memory_fraction=fraction, quant=quant, given=given, attention=attention,
+        host_budget_bytes=host,
+    )  # fmt: skip
 
 
 def parse_attention(env: Mapping[str, str]) -> str:
-    """`PAGEDQVG_ATTENTION`: "view" (unset or empty), "pages" or "heads" (then `PAGEDQVG_ATTENTION_HEAD_GROUPS` is
-    checked too); PluginConfigError naming the value otherwise."""
+    """`PAGEDQVG_ATTENTION`: "auto" (unset or empty: the default), "view", "pages" or "heads" (with heads and auto
+    `PAGEDQVG_ATTENTION_HEAD_GROUPS` is checked too); PluginConfigError naming the value otherwise."""
     from pagedqvg.integrations.sglang.attention import attention_mode_from_env
     from pagedqvg.integrations.sglang.head_groups import head_group_size_from_env
 
     try:
         mode = attention_mode_from_env(env)
-        if mode == "heads":
+        if mode in ("heads", "auto"):
             head_group_size_from_env(env)  # checked here: a bad value stops the process before anything registers
         return mode
     except CacheConfigError as exc:
@@ -303,10 +346,15 @@ def _announce_caches(stage: Any, caches: list) -> None:
         seen.update(pools)
     kinds = "/".join(sorted({type(c).__name__ for c in caches}))
     for key, pool in sorted(pools.items()):
+        host = integ.host_pool_for(pool)
+        tier = "" if host is None else (
+            f"; host tier {host.device}: {host.num_pages * host.page_bytes} bytes in {host.num_pages} pages "
+            f"(idle sessions swapped out when a session does not fit)"
+        )  # fmt: skip
         _say(
             logging.INFO,
             f"pagedqvg: {type(stage).__name__} got {len(caches)} {kinds} caches; pool {key}: "
-            f"{pool.num_pages * pool.page_bytes} bytes in {pool.num_pages} pages of {pool.page_bytes} bytes",
+            f"{pool.num_pages * pool.page_bytes} bytes in {pool.num_pages} pages of {pool.page_bytes} bytes{tier}",
         )
     for key, shape, waste in fresh:
         _say(logging.INFO, f"pagedqvg: pool {key} ({integ.pools[key].page_bytes} B pages): caches of "
@@ -332,7 +380,7 @@ def _require_hooks_applied(*args: Any, **kwargs: Any) -> None:
 
 def _hook_targets() -> tuple[str, ...]:
     """The targets this process's hooks must have patched: the allocations, the request ends, the realtime release,
-    and the attention layer in pages mode."""
+    and the attention layer in the modes that defer the view (pages, heads, auto)."""
     from pagedqvg.integrations.sglang.attention import DEFERRED_MODES, attention_mode
 
     pages = (ATTENTION_TARGET,) if attention_mode() in DEFERRED_MODES else ()
@@ -359,8 +407,16 @@ def _log_request_end(stage: Any, pools: list) -> None:
     from pagedqvg.integrations.sglang import sessions
 
     held = ", ".join(f"{p.device}: {p.num_pages - p.num_free_pages} of {p.num_pages} pages in use" for p in pools)
-    opened = sum(sessions.manager_for(p).open_sessions for p in pools)
-    _say(logging.INFO, f"pagedqvg: {type(stage).__name__} request done; pool {held or 'none'}; {opened} open sessions")
+    managers = [sessions.manager_for(p) for p in pools]
+    opened = sum(m.open_sessions for m in managers)
+    hosts = [m.host_pool for m in managers if m.host_pool is not None]
+    tier = ""
+    if hosts:
+        outs, ins = sum(m.swapped_out_total for m in managers), sum(m.swapped_in_total for m in managers)
+        tier = f"; host tier {sessions.pages_in_use(hosts)} of {sum(h.num_pages for h in hosts)} pages in use "
+        tier += f"(swapped-out sessions); {outs} swap-outs, {ins} swap-ins so far"
+    _say(logging.INFO, f"pagedqvg: {type(stage).__name__} request done; pool {held or 'none'}; {opened} open sessions"
+         + tier)  # fmt: skip
 
 
 def register() -> None:
@@ -379,7 +435,7 @@ def register() -> None:
     from sglang.multimodal_gen.runtime.platforms.plugins import HookType, plugin_hook
 
     from pagedqvg.integrations.sglang import integration as integ
-    from pagedqvg.integrations.sglang.attention import set_attention_mode
+    from pagedqvg.integrations.sglang.attention import DEFERRED_MODES, set_attention_mode
     from pagedqvg.integrations.sglang.runtime import integration
 
     integ.configure(
@@ -387,15 +443,16 @@ def register() -> None:
         memory_fraction=settings.memory_fraction,
         quant=settings.quant,
         quant_override=settings.quant is not None,
+        host_budget_bytes=settings.host_budget_bytes,
     )
     set_attention_mode(settings.attention)
-    if settings.attention == "heads":
+    if settings.attention in ("heads", "auto"):
         from pagedqvg.integrations.sglang.head_groups import head_group_size_from_env, set_head_group_size
 
         set_head_group_size(head_group_size_from_env())
     hooks = _hooks()
     for target in table:
-        if target.kind in hooks and (target.kind != "attention" or settings.attention in ("pages", "heads")):
+        if target.kind in hooks and (target.kind != "attention" or settings.attention in DEFERRED_MODES):
             hook, kind = hooks[target.kind]
             plugin_hook(target.path, getattr(HookType, kind))(hook)
     state = integration()

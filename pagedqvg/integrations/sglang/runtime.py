@@ -1,6 +1,7 @@
 """The one SGLang integration object of a process (`integration()`): its pool policy and the pools made from it (one
-per device, paged at the planner's page for the first stage allocation's shapes), the quantization override, the
-patches `install()` made, the listeners, the session managers and request scopes, and the attention mode.
+per device, paged at the planner's page for the first stage allocation's shapes), the host tier of each pool (a CPU
+`BlockPool` of `host_budget_bytes` at the same page, PAGEDQVG_HOST_BUDGET), the quantization override, the patches
+`install()` made, the listeners, the session managers and request scopes, and the attention mode.
 
 `install()` / `uninstall()` and the entry-point plugin (`plugin.register`) both configure and use this object; it is
 the only mutable state of `pagedqvg.integrations.sglang` (everything else is code and constant tables).
@@ -19,6 +20,7 @@ from pagedqvg.allocator import DEFAULT_PAGE_BYTES, PAGE_ALIGN_BYTES, BlockPool
 from pagedqvg.allocator.pool import available_memory_bytes
 from pagedqvg.errors import CacheConfigError
 from pagedqvg.quant import QuantConfig
+from pagedqvg.serving.host_tier import host_pool_for
 from pagedqvg.serving.sessions import SessionManager
 
 __all__ = ["PoolShape", "SGLangIntegration", "integration"]
@@ -80,6 +82,8 @@ class SGLangIntegration:
         cache_listeners: called as listener(stage, caches) after every allocation.
         request_listeners: called as listener(stage, pools) after every request end.
         managers: id(pool) -> its `SessionManager`; scopes: this thread's open request scopes (`.stack`).
+        host_budget_bytes: the host tier of each pool (None: none); host_pools: id(pool) -> its host `BlockPool`
+            (CPU, the pool's page; made with the pool), whose manager swaps idle sessions out when one does not fit.
         attention_mode: `view`, `pages` or `heads` (`attention.py`).
         head_group, head_group_read_env, head_group_choices, heads_said: mode heads (`head_groups.py`).
         announced: the pools and (device key, PoolShape) pairs already logged (the plugin's log lines).
@@ -100,6 +104,8 @@ class SGLangIntegration:
             self.pool_given: BlockPool | None = None
             self.memory_fraction: float | None = None
             self.budget_bytes: int | None = None
+            self.host_budget_bytes: int | None = None
+            self.host_pools: dict[int, BlockPool] = {}
             self.quant_override = False
             self.quant: QuantConfig | None = None
             self.pools: dict[str, BlockPool] = {}
@@ -124,11 +130,14 @@ class SGLangIntegration:
         budget_bytes: int | None = None,
         quant: QuantConfig | None = None,
         quant_override: bool | None = None,
+        host_budget_bytes: int | None = None,
     ) -> None:
-        """Set the pool policy (as `install()`'s arguments) and, when `quant_override` is given, the quantization
-        every stage gets (`quant`, a `QuantConfig`; None or disabled: off) instead of its own."""
+        """Set the pool policy (as `install()`'s arguments, `host_budget_bytes` the host tier of each pool made from
+        now on: None or 0, none) and, when `quant_override` is given, the quantization every stage gets (`quant`, a
+        `QuantConfig`; None or disabled: off) instead of its own."""
         with self.lock:
             self.pool_given, self.memory_fraction, self.budget_bytes = pool, memory_fraction, budget_bytes
+            self.host_budget_bytes = host_budget_bytes or None
             if quant_override is not None:
                 self.quant_override = quant_override
                 self.quant = quant if quant_override and quant is not None and quant.enabled else None
@@ -151,6 +160,7 @@ class SGLangIntegration:
             pool = self.pools.get(key)
             if pool is None:
                 pool = self._make_pool(dev, key, shape, token_bytes)
+                self.host_pool_for(pool)  # a host budget below one page is refused before any cache is built
                 self.pools[key] = pool
             if shape is not None:
                 _check_fits(key, pool, shape, self.pool_shapes.get(key, {}))
@@ -186,12 +196,35 @@ class SGLangIntegration:
             return BlockPool(capacity_bytes=capacity, page_bytes=page, device=dev)
         return BlockPool.for_layers(capacity, **_for_layers_args(shape), device=dev)
 
+    def host_pool_for(self, pool: BlockPool) -> BlockPool | None:
+        """The host tier of `pool`: a CPU `BlockPool` of `host_budget_bytes` at `pool`'s page (made at the first
+        call; pinned memory when `pool` is on CUDA), or None without a host budget. CacheConfigError when the budget
+        is below one page of `pool`. O(1) after the first call (which allocates the arena: O(bytes))."""
+        with self.lock:
+            budget, host = self.host_budget_bytes, self.host_pools.get(id(pool))
+            if budget is None or (host is not None and host.page_bytes == pool.page_bytes):
+                return host if budget is not None else None
+            if budget < pool.page_bytes:
+                raise CacheConfigError(
+                    f"PAGEDQVG_HOST_BUDGET (host_budget_bytes={budget}) is below one page of the {pool.device} pool "
+                    f"({pool.page_bytes} bytes, the planner's page for its caches); valid: at least {pool.page_bytes} "
+                    f"bytes (a host tier holds whole pages), or 0 / unset for no host tier"
+                )
+            host = self.host_pools[id(pool)] = host_pool_for(pool, budget)
+            return host
+
     def manager_for(self, pool: BlockPool) -> SessionManager:
-        """The one `SessionManager` of `pool` (made at its first session). O(1)."""
+        """The one `SessionManager` of `pool` (made at its first session); with a host tier (`host_pool_for`) it
+        swaps idle sessions out to the host pool when a session does not fit (`swap_when_full`). O(1)."""
         with self.lock:
             manager = self.managers.get(id(pool))
             if manager is None or manager.pool is not pool:
-                manager = self.managers[id(pool)] = SessionManager(pool)
+                host = self.host_pool_for(pool)
+                if host is None:
+                    manager = SessionManager(pool)
+                else:
+                    manager = SessionManager(pool, host_pool=host, swap_when_full=True)
+                self.managers[id(pool)] = manager
             return manager
 
 

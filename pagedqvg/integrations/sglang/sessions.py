@@ -23,13 +23,23 @@ list one session of the pool's `SessionManager`:
   release, eviction, a restart at block 0) or drops it. Then abandoned sessions of every pool are reclaimed.
 
 So after each request the pool holds only the pages of realtime sessions SGLang keeps; with none, 0 pages.
+
+**The host tier** (PAGEDQVG_HOST_BUDGET, `install(host_budget_bytes=...)`): the pool's manager has a CPU host pool and
+`swap_when_full`. Every session of a request is busy for the request (`Session.busy()`, entered by `request_scope`
+for the sessions it admits and for the lists the request's realtime session state holds, left when the outermost
+scope ends), so nothing a request runs on is swapped out under it. Between chunk calls a kept realtime session is
+idle: an admission (another request, another realtime session) that does not fit swaps idle sessions out to the host
+pool, least recently used first, instead of refusing; the swapped session comes back at its next chunk call, at the
+first call on one of its caches (views bit-equal), swapping other idle sessions out if it must. Disposing a swapped
+session frees its host pages. So after each request: device pages only of kept realtime sessions, host pages only of
+swapped ones, 0 on both once SGLang disposes them.
 Complexity: admit O(planner replay of one layer, cached per shape) + O(open sessions); request end O(pages closed).
 """
 
 from __future__ import annotations
 
 from collections.abc import Iterator
-from contextlib import contextmanager
+from contextlib import ExitStack, contextmanager
 from typing import Any
 
 from pagedqvg.allocator import BlockPool
@@ -44,10 +54,12 @@ __all__ = [
     "chunk_tokens",
     "dispose_before",
     "forward_around",
+    "host_pages_in_use",
     "manager_for",
     "pages_in_use",
     "request_scope",
 ]
+
 
 class SessionCaches(list):
     """The caches of one allocation (one per transformer block), as SGLang gets them: a `list`, holding the
@@ -129,7 +141,8 @@ def admit(stage: Any, caches: list, *, allow_growth: bool = False) -> SessionCac
     out = SessionCaches(caches, session)
     stack = getattr(integration().scopes, "stack", None)
     if stack:
-        stack[0].append(out)
+        stack[0].allocated.append(out)
+        stack[0].hold(session)
     return out
 
 
@@ -137,12 +150,17 @@ def _refusal(stage: Any, caches: list, spec: SessionSpec | None, exc: SessionRef
     first = caches[0]
     chunk = f"chunks of {spec.chunk_tokens} tokens" if spec is not None else "no chunk plan"
     pool = first.pool
+    tier, note = ", set PAGEDQVG_HOST_BUDGET (a host tier for idle realtime sessions)", ""
+    if manager_for(pool).host_pool is not None:  # the manager's note: the idle sessions it swapped out, why it stopped
+        tier, said = " or PAGEDQVG_HOST_BUDGET", str(exc)
+        note = f" {said[said.index('(swap_when_full') :]}" if "(swap_when_full" in said else ""
     return SessionRefusedError(
         f"{type(stage).__name__}: KV caches of {len(caches)} blocks x batch {first.batch_size} x {first.cache_size} "
         f"slots x {first.num_cache_heads} heads x {first.head_dim} ({first.dtype}, {chunk}) need {exc.needed_pages} "
         f"pages of {pool.page_bytes} B at their planned peak, but only {exc.available_pages} are available: "
         f"{exc.free_pages} of {pool.num_pages} free, {exc.reserved_pages} reserved by open sessions; raise "
-        f"PAGEDQVG_BUDGET (install(budget_bytes=...)), end realtime sessions, or quantize (PAGEDQVG_KV_CACHE_QUANT)",
+        f"PAGEDQVG_BUDGET (install(budget_bytes=...)){tier}, end realtime sessions, or quantize "
+        f"(PAGEDQVG_KV_CACHE_QUANT){note}",
         needed_pages=exc.needed_pages,
         available_pages=exc.available_pages,
         free_pages=exc.free_pages,
@@ -150,10 +168,33 @@ def _refusal(stage: Any, caches: list, spec: SessionSpec | None, exc: SessionRef
     )
 
 
-def _realtime_lists(batch: Any) -> list[int]:
-    """ids of the cache lists the request's realtime session (SGLang's `RealtimeSession`) keeps across calls."""
+def _realtime_lists(batch: Any) -> list[Any]:
+    """The cache lists the request's realtime session (SGLang's `RealtimeSession`) keeps across calls."""
     states = realtime_states(getattr(batch, "session", None))
-    return [id(getattr(state, "kv_cache", None)) for state in states.values()]
+    return [getattr(state, "kv_cache", None) for state in states.values()]
+
+
+class _Scope:
+    """One request (the outermost `request_scope` of a thread): the sessions it allocated and the busy marks it
+    holds (`Session.busy()` on a manager with a host tier: never swapped out while the request runs)."""
+
+    __slots__ = ("allocated", "marks")
+
+    def __init__(self) -> None:
+        self.allocated: list[SessionCaches] = []
+        self.marks = ExitStack()
+
+    def hold(self, session: Session) -> None:
+        """`session` busy until the request ends (only where a host tier could swap it out). O(1)."""
+        if session.manager.host_pool is not None and not session.closed:
+            self.marks.enter_context(session.busy())
+
+    def hold_realtime(self, batch: Any) -> None:
+        """The lists the request's realtime session state keeps (from earlier chunk calls) busy for this call; no
+        reference to a list is kept (a restart at block 0 drops the old one: it must be reclaimable)."""
+        for caches in _realtime_lists(batch):
+            if isinstance(caches, SessionCaches):
+                self.hold(caches.session)
 
 
 _STAGE_REFS = (("causal_kv_cache", "crossattn_cache"), ("causal_kv_cache_neg", "crossattn_cache_neg"))
@@ -162,7 +203,7 @@ _STAGE_REFS = (("causal_kv_cache", "crossattn_cache"), ("causal_kv_cache_neg", "
 def end_request(stage: Any, batch: Any, allocated: list[SessionCaches]) -> None:
     """Close every session of `allocated` no realtime state keeps and clear `stage`'s references to it; then
     reclaim abandoned sessions of every pool and tell the listeners. O(pages closed + open sessions)."""
-    kept = set(_realtime_lists(batch))
+    kept = {id(caches) for caches in _realtime_lists(batch)}
     for caches in allocated:
         if id(caches) in kept:
             continue
@@ -190,14 +231,19 @@ def request_scope(stage: Any, batch: Any = None) -> Iterator[list[SessionCaches]
     if stack is None:
         stack = scopes.stack = []
     outermost = not stack
-    allocated: list[SessionCaches] = stack[0] if stack else []
-    stack.append(allocated)
+    scope = stack[0] if stack else _Scope()
+    stack.append(scope)
     try:
-        yield allocated
+        if outermost:
+            scope.hold_realtime(batch)
+        yield scope.allocated
     finally:
         stack.pop()
         if outermost:
-            end_request(stage, batch, allocated)
+            try:
+                scope.marks.close()  # idle again: swappable between calls
+            finally:
+                end_request(stage, batch, scope.allocated)
 
 
 def forward_around(original: Any, stage: Any, *args: Any, **kwargs: Any) -> Any:
@@ -218,3 +264,11 @@ def dispose_before(state: Any, *args: Any, **kwargs: Any) -> None:
 def pages_in_use(pools: list[BlockPool]) -> int:
     """Pages held in `pools` now. O(pools)."""
     return sum(p.num_pages - p.num_free_pages for p in pools)
+
+
+def host_pages_in_use(pools: list[BlockPool]) -> int:
+    """Pages held now in the host tiers of `pools` (swapped-out sessions; 0 without a host tier). O(pools)."""
+    integ = integration()
+    with integ.lock:
+        hosts = [integ.host_pools.get(id(p)) for p in pools]
+    return pages_in_use([h for h in hosts if h is not None])
