@@ -1,7 +1,8 @@
 """LingBot-World through SGLang 0.5.23's real runtime on CPU (driven by .ci/sglang_lingbot.sh, which installs what this
 needs): `DiffGenerator.from_pretrained(<tiny LingBot-World dir>)` (.ci/sglang_tiny_lingbot.py: image-to-video from a
 first frame and camera actions; SGLang's launcher and its spawned worker), once with pagedqvg active and once excluded
-(SGLANG_PLUGINS without it), each run one launch doing, in order:
+(SGLANG_PLUGINS without it; active with a host tier, PAGEDQVG_HOST_BUDGET, which never swaps here: SGLang's
+worker holds one realtime session), each run one launch doing, in order:
 
 (o) one-shot: `generate(...)` with the first frame and camera actions (the image encoder, the VAE encode of the first
     frame, one causal chunk, the VAE decode): samples torch.equal across the two runs; the worker's log shows
@@ -233,7 +234,8 @@ def main(work: str) -> None:
         subprocess.run([sys.executable, f"{HERE}/sglang_tiny_lingbot.py", f"{work}/{MODEL}"], check=True)
     dense, log = launch(work, "sglang", {"PAGEDQVG_BUDGET": "64MiB", "SGLANG_PLUGINS": "ci_cpu_ops"})
     check("[pagedqvg]" not in log and "pagedqvg: active" not in log, "excluded by SGLANG_PLUGINS: no pagedqvg line")
-    paged, log = launch(work, "paged", {"PAGEDQVG_BUDGET": "64MiB"})
+    paged, log = launch(work, "paged", {"PAGEDQVG_BUDGET": "64MiB", "PAGEDQVG_HOST_BUDGET": "64MiB"})
+    check("host tier 67108864 bytes" in log, "pagedqvg active with a host tier (PAGEDQVG_HOST_BUDGET=64MiB)")
     check(paged["launcher"] == {"caches": 0, "pools": 0}, f"the launching process built no cache: {paged['launcher']}")
     check(
         "LingBotWorldCausalDMDDenoisingStage got 2 PagedCausalSelfAttentionKVCache caches" in log,
