@@ -59,6 +59,11 @@ STUBBED = frozenset(
     ]
 )
 stubbed_loaded: list[str] = []
+#: Placeholders that transformers' availability checks (`_is_package_available`, its `find_spec` probe) must not
+#: see: with a torchvision placeholder "available", transformers picks its torchvision image-processor backend
+#: and fails on the placeholder (LingBot-World's CLIP image processor); hidden, it takes its PIL backend, as on a
+#: machine without torchvision. SGLang's own module-level `import torchvision` still gets the placeholder.
+HIDDEN_FROM_TRANSFORMERS = frozenset(["torchvision"])
 
 
 class _StubMeta(abc.ABCMeta):
@@ -154,6 +159,17 @@ class _StubLoader(importlib.abc.Loader):
             module.loads = lambda *a, **k: None
 
 
+def _asked_by_transformers_availability_check(depth: int = 8) -> bool:
+    frame = sys._getframe(2)
+    while frame is not None and depth > 0:
+        if frame.f_code.co_name == "_is_package_available" and frame.f_globals.get("__name__", "").startswith(
+            "transformers."
+        ):
+            return True
+        frame, depth = frame.f_back, depth - 1
+    return False
+
+
 class _StubFinder(importlib.abc.MetaPathFinder):
     def __init__(self) -> None:
         self._installed: dict[str, bool] = {}
@@ -178,6 +194,8 @@ class _StubFinder(importlib.abc.MetaPathFinder):
         top = name.split(".")[0]
         if top not in STUBBED or self._is_installed(top):
             return None  # not ours, or the real package is installed: use it (submodules included)
+        if top in HIDDEN_FROM_TRANSFORMERS and _asked_by_transformers_availability_check():
+            return None
         return importlib.machinery.ModuleSpec(name, _StubLoader(), is_package=True)
 
 
