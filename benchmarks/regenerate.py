@@ -103,9 +103,10 @@ def _cuda_missing(_args: argparse.Namespace) -> str:
     return "" if torch.cuda.is_available() else "no CUDA device on this machine"
 
 
-#: bench_forks.py's shapes: the committed JSON's (the fork timed on 1 layer of 40 heads x 128 at 64 tokens per frame;
-#: 8 branches vs 8 sessions and the swap at 1 layer x 2 heads, 64 tokens per frame; ~6 min on 2 busy cores).
-_FORKS_FULL = ("--fork-heads", "40", "--fork-tokens-per-frame", "64", "--tokens-per-frame", "64", "--json",
+#: bench_forks.py's shapes: the committed JSON's (the fork timed on 1 full-shape layer of LingBot-World, 40 heads x 128
+#: at 1,560 tokens per frame; 8 branches vs 8 sessions and the swap at 1 layer x 2 heads, 64 tokens per frame; ~10 min
+#: on 2 cores).
+_FORKS_FULL = ("--fork-heads", "40", "--fork-tokens-per-frame", "1560", "--tokens-per-frame", "64", "--json",
                str(BENCH / "results" / "bench_forks.json"))  # fmt: skip
 _FORKS_QUICK = ("--quick",)
 
