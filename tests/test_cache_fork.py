@@ -14,6 +14,7 @@ from dense_reference import DenseReferenceCache
 from helpers import cache_state, cached_plans, page_io, same, sequencer
 
 from pagedqvg import BlockPool, PagedCausalKVCache, PoolExhaustedError
+from pagedqvg.allocator.pool import used_bytes_of
 from pagedqvg.errors import CacheClosedError, CacheConfigError, SessionRefusedError
 from pagedqvg.quant import QuantConfig
 from pagedqvg.serving.sessions import SessionManager, SessionSpec
@@ -173,6 +174,8 @@ def test_fork_of_a_packed_cache_shares_packed_chunks_and_rewrites_unpack_into_ne
     assert [e.value.packed for e in sequencer(a).index] == [True, True, False]
     b = a.fork()
     assert pool.stats().shared_pages == len(pages(a)) == pool.stats().used_pages
+    # the fork takes its parent's used bytes (O(1)): what recounting its own retained rows gives
+    assert used_bytes_of(pool, b.owner) == used_bytes_of(pool, a.owner) == b.memory_breakdown()["used_bytes"] > 0
     k, v = kv(4, 4)
     vb = b.update_and_get_attention_kv(key=k, value=v, current_chunk_start=4)  # unpacks chunk [4, 8) into new pages
     vt = twin.update_and_get_attention_kv(key=k, value=v, current_chunk_start=4)

@@ -558,6 +558,12 @@ def set_used_bytes(pool: BlockPool, owner: str, nbytes: int) -> None:
         _set_used_bytes(pool, owner, nbytes)
 
 
+def used_bytes_of(pool: BlockPool, owner: str) -> int:
+    """Bytes of `owner`'s pages it reported as used (`set_used_bytes`; 0 if none). O(1)."""
+    with pool.lock:
+        return pool._owner_used.get(owner, 0)
+
+
 def _set_used_bytes(pool: BlockPool, owner: str, nbytes: int) -> None:
     check_int("set_used_bytes: nbytes", nbytes, minimum=0, message=_METHOD_INT, type_message=_METHOD_INT)
     held = pool._owner_pages.get(owner, 0) * pool.page_bytes

@@ -16,9 +16,22 @@ from pagedqvg.validation import is_int
 
 def check_share(pool, pages, new_owner: str) -> None:
     """PageOwnershipError (naming the page and its holders) unless every page of `pages` is held, listed once and
-    not held by `new_owner` yet; ValueError for a bad owner name. Changes nothing. O(len(pages))."""
+    not held by `new_owner` yet; ValueError for a bad owner name. Changes nothing. O(len(pages)): one pass with
+    the common case (ints, held once, by others) cheap; the slow path only names the first bad page."""
     if not isinstance(new_owner, str) or not new_owner:
         raise ValueError(f"share: new_owner must be a non-empty str, got {new_owner!r}")
+    owner_of, shared, n = pool._owner_of, pool._shared, pool.num_pages
+    ok = True
+    for p in pages:
+        if type(p) is not int or not 0 <= p < n or owner_of[p] is None or owner_of[p] == new_owner:
+            ok = False
+            break
+        holders = shared.get(p)
+        if holders is not None and new_owner in holders:
+            ok = False
+            break
+    if ok and len(set(pages)) == len(pages):
+        return
     seen: set[int] = set()
     for p in pages:
         if not is_int(p) or not 0 <= p < pool.num_pages:
@@ -36,20 +49,26 @@ def check_share(pool, pages, new_owner: str) -> None:
 
 
 def add_holds(pool, pages: list[int], owner: str) -> None:
-    """`owner` becomes a holder of held `pages` (validated; the caller holds the lock). Journaled."""
+    """`owner` becomes a holder of held `pages` (validated; the caller holds the lock). Journaled. O(len(pages)),
+    the per-owner counts updated once per first holder, not per page."""
     if not pages:
         return
     if pool._journal is not None and pool._journal[0] == owner:
         pool._journal[1].append(("share", list(pages), None))
+    shared, owner_of = pool._shared, pool._owner_of
+    firsts: dict[str, int] = {}
     for p in pages:
-        holders = pool._shared.get(p)
+        holders = shared.get(p)
         if holders is None:
-            first = pool._owner_of[p]
-            assert first is not None
-            holders = pool._shared[p] = [first]
-            pool._owner_shared[first] += 1
-        holders.append(owner)
-        pool._owner_shared[owner] += 1
+            first = owner_of[p]
+            shared[p] = [first, owner]
+            firsts[first] = firsts.get(first, 0) + 1
+        else:
+            holders.append(owner)
+    owner_shared = pool._owner_shared
+    for first, count in firsts.items():
+        owner_shared[first] += count
+    owner_shared[owner] += len(pages)
     pool._owner_pages[owner] += len(pages)
 
 
