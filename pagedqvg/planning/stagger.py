@@ -9,9 +9,10 @@ lengths.
 
 Two engines give the pool's pages after every call: `account_staggered` (the planner's `CountingLayer` per cache on
 one `PageCounter`, no tensors) and `measure_staggered` (real caches on a `BlockPool` sized at the accounting's
-peak, so a wrong plan fails with PoolExhaustedError); tests check they agree call by call. `stagger_summary` gives
-the peak (pool high-water pages), the steady state (pages at the end of the last tick at which the most sessions were
-live, before that tick's closes) and the same figures for the sessions in step.
+peak, so a wrong plan fails with PoolExhaustedError); tests check they agree call by call, and the real pool's
+high water equals the accounting's (inside calls too: `account_staggered_peak`). `stagger_summary` gives the peak
+(pool high-water pages, inside calls), the steady state (pages at the end of the last tick at which the most
+sessions were live, before that tick's closes) and the same figures for the sessions in step.
 
 Complexity: O(calls) for the accounting (each call O(log segments)), plus the cache work for the real run.
 """
@@ -34,7 +35,14 @@ from pagedqvg.planning.planner import (
     plan_geometry,
 )
 
-__all__ = ["StaggerCall", "account_staggered", "measure_staggered", "session_geometry", "stagger_summary"]
+__all__ = [
+    "StaggerCall",
+    "account_staggered",
+    "account_staggered_peak",
+    "measure_staggered",
+    "session_geometry",
+    "stagger_summary",
+]
 
 
 @dataclass(frozen=True, slots=True)
@@ -86,6 +94,12 @@ def staggered_pattern(geom: Geometry, stagger: int, lengths: list[int]) -> Itera
 
 def account_staggered(geom: Geometry, stagger: int, lengths: list[int]) -> list[int]:
     """Pool pages after every call of `staggered_pattern`, from the planner's accounting (no tensors)."""
+    return account_staggered_peak(geom, stagger, lengths)[0]
+
+
+def account_staggered_peak(geom: Geometry, stagger: int, lengths: list[int]) -> tuple[list[int], int]:
+    """`account_staggered` and the pool's high-water pages: the peak inside calls too (an advance takes its new
+    chunk's pages before a pack or a roll gives older ones back), which the pages after each call can miss."""
     counter = PageCounter()
     layers: dict[tuple[int, int], CountingLayer] = {}
     used: list[int] = []
@@ -103,7 +117,7 @@ def account_staggered(geom: Geometry, stagger: int, lengths: list[int]) -> list[
         else:
             layer.rewrite()
         used.append(counter.used)
-    return used
+    return used, counter.high_water
 
 
 def measure_staggered(
@@ -114,7 +128,7 @@ def measure_staggered(
     from pagedqvg.allocator import BlockPool
     from pagedqvg.cache.paged_cache import PagedCausalKVCache
 
-    peak = max(account_staggered(geom, stagger, lengths))
+    peak = account_staggered_peak(geom, stagger, lengths)[1]
     pool = BlockPool(capacity_bytes=max(peak, 1) * geom.page_bytes, page_bytes=geom.page_bytes, device=device)
     quant = geom.quant if geom.quant.enabled else None
     n = geom.chunk_tokens
@@ -155,8 +169,8 @@ def stagger_summary(geom: Geometry, stagger: int, lengths: list[int]) -> dict[st
     """Peak and steady state (pages and bytes) of the staggered sessions and of the same sessions in step."""
     check_stagger(geom.sessions, stagger, lengths)
     one = session_geometry(geom)
-    used = account_staggered(one, stagger, lengths)
-    in_step = account_staggered(one, 0, [max(lengths)] * len(lengths))
+    used, peak = account_staggered_peak(one, stagger, lengths)
+    in_step_peak = account_staggered_peak(one, 0, [max(lengths)] * len(lengths))[1]
     calls = list(staggered_pattern(one, stagger, lengths))
     tick_end: dict[int, int] = {}
     live: dict[int, set[int]] = {}
@@ -172,13 +186,13 @@ def stagger_summary(geom: Geometry, stagger: int, lengths: list[int]) -> dict[st
         "stagger_chunks": stagger,
         "session_chunks": lengths,
         "calls": len(calls),
-        "peak_pages": max(used),
-        "peak_bytes": max(used) * page,
+        "peak_pages": peak,
+        "peak_bytes": peak * page,
         "steady_pages": tick_end[steady_tick],
         "steady_tick": steady_tick,
         "most_live_sessions": most,
-        "in_step_peak_pages": max(in_step),
-        "in_step_peak_bytes": max(in_step) * page,
+        "in_step_peak_pages": in_step_peak,
+        "in_step_peak_bytes": in_step_peak * page,
         "page_bytes": page,
     }
 
