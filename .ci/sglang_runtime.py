@@ -9,10 +9,10 @@
     the worker's log shows pagedqvg's caches and pool, the launching process built no pagedqvg cache or pool;
 (c) the same with PAGEDQVG_KV_CACHE_QUANT=int2 (2 centroids: chunks of 8 tokens pack): samples differ from the
     dense run by a relative error below REL_ERR_BOUND (measured 0.0078 on the decoded uint8 frames, 2026-12-01);
-(e) attention modes (issue 29): PAGEDQVG_ATTENTION unset (the default; (b)'s paged run) chose mode heads for SGLang's
-    TORCH_SDPA backend on CPU (its log line) and ran it; PAGEDQVG_ATTENTION=view (no heads line) and =heads with
-    groups of 1 head (2 groups a call; its log line, no fallback line) give samples torch.equal to each other, to the
-    default's and to SGLang's dense run; with int2, heads and view (both packed) torch.equal.
+(e) attention modes (issue 29): PAGEDQVG_ATTENTION unset (the default; (b)'s paged run, groups of 1 head: 2 groups
+    a call) chose mode heads for SGLang's TORCH_SDPA backend on CPU (its log lines, no fallback line) and ran it;
+    PAGEDQVG_ATTENTION=view (no heads line) gives samples torch.equal to the default's and to SGLang's dense run;
+    with int2, PAGEDQVG_ATTENTION=heads (groups of 1) and =view (both packed) torch.equal.
 The load_plugins() probes run 3 at a time (each a fresh interpreter; most of their time is importing SGLang).
 
 Usage: python .ci/sglang_runtime.py WORKDIR [plugins|generate|all]
@@ -146,11 +146,12 @@ def generate_cases(work: str) -> None:
         "[pagedqvg]" not in log and "pagedqvg: active" not in log,
         "(b) excluded by SGLANG_PLUGINS: no pagedqvg line in any process's log",
     )
-    paged, log = generate(work, "paged", {"PAGEDQVG_BUDGET": "64MiB"})
+    # the default (PAGEDQVG_ATTENTION unset: mode auto) with groups of 1 head, so the groups really split the call
+    paged, log = generate(work, "paged", {"PAGEDQVG_BUDGET": "64MiB", "PAGEDQVG_ATTENTION_HEAD_GROUPS": "1"})
     check("PagedCausalSelfAttentionKVCache caches; pool cpu:" in log, "(b) the worker's log shows pagedqvg's caches")
     check(
-        DEFAULT_HEADS in log and HEADS_GROUPS in log and FALLBACK not in log,
-        f"(e) PAGEDQVG_ATTENTION unset: the default chose mode heads for TORCH_SDPA on cpu and ran it: "
+        DEFAULT_HEADS in log and f"{HEADS_GROUPS} 1 heads (calls of 2 heads: 2 groups)" in log and FALLBACK not in log,
+        f"(e) PAGEDQVG_ATTENTION unset: the default chose mode heads for TORCH_SDPA on cpu and ran it by groups of 1: "
         f"{attention_lines(log)}",
     )
     done = re.findall(r"request done; pool cpu: (\d+) of \d+ pages in use; (\d+) open sessions", log)
@@ -168,7 +169,6 @@ def generate_cases(work: str) -> None:
         torch.equal(view, a) and torch.equal(view, b),
         "(e) mode view's samples torch.equal to SGLang's dense run and to the default's (heads)",
     )
-    heads_case(work, "heads", {"PAGEDQVG_BUDGET": "64MiB"}, view, "quant off")
     env = {
         "PAGEDQVG_BUDGET": "64MiB",
         "PAGEDQVG_KV_CACHE_QUANT": "int2",
