@@ -27,7 +27,7 @@ import weakref
 import torch
 
 import pagedqvg.cache.shared_packing as shared_packing
-from pagedqvg.allocator import BlockPool
+from pagedqvg.allocator import BlockPool, sharing
 from pagedqvg.allocator.pool import exhausted_error, set_used_bytes, used_bytes_of
 from pagedqvg.cache.packing import ChunkPacker
 from pagedqvg.cache.readout import CacheReadout
@@ -59,7 +59,10 @@ def fork_cache(parent, name: str | None = None):
         child.owner = pool.new_owner(child.debug_name)
         child._seq = _copy_sequencer(parent._seq)
         pages = [p for entry in child._seq.index for p in entry.value.pages]
-        pool.share(pages, child.owner)  # validated whole before any hold changes
+        if pool.pages_of(parent.owner) == len(pages):  # the parent's segments list exactly the pages it holds
+            sharing.add_holds(pool, pages, child.owner)  # (a new owner: no page is its yet) O(pages), no re-check
+        else:  # a broken invariant: the checked path names the page
+            pool.share(pages, child.owner)  # validated whole before any hold changes
         child._io = PageIO(pool, parent.layout, parent._packed, parent._io.stores)
         child._io.run_cap = parent._io.run_cap
         old = parent._packer
