@@ -30,7 +30,7 @@ from dataclasses import dataclass
 from pagedqvg.allocator import RangeEntry
 from pagedqvg.cache.sequencing import Sequencer
 from pagedqvg.errors import CacheConfigError
-from pagedqvg.planning.geometry import Geometry
+from pagedqvg.planning.geometry import Geometry, largest_fitting
 from pagedqvg.planning.replay import CountedSegment, CountingLayer, PageCounter, is_scene_cut, replay_layer
 from pagedqvg.quant.formats import format_rank
 from pagedqvg.store.segment import SegmentKind
@@ -322,19 +322,7 @@ def max_branches(geom: Geometry, history: int, diverge: int, pool_pages: int, li
     def fits(n: int) -> bool:
         return account_branches(geom, n, history, diverge, stop_above=pool_pages).high_water <= pool_pages
 
-    if not fits(1):
-        return 0
-    lo, hi = 1, 2
-    while hi <= limit and fits(hi):
-        lo, hi = hi, hi * 2
-    hi = min(hi, limit + 1)
-    while hi - lo > 1:
-        mid = (lo + hi) // 2
-        if fits(mid):
-            lo = mid
-        else:
-            hi = mid
-    return lo
+    return largest_fitting(fits, limit)
 
 
 def branches_report(

@@ -7,6 +7,7 @@ per-layer byte accounting (dense and packed layouts, views, attention scratch). 
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -310,3 +311,21 @@ def check_workload(w: Workload) -> None:
             f"window smaller than a chunk: --window-frames {w.window_frames} < --chunk-frames {w.chunk_frames} "
             f"(the window includes the chunk being denoised)"
         )
+
+
+def largest_fitting(fits: Callable[[int], bool], limit: int) -> int:
+    """The largest n in [1, `limit`] with `fits(n)`, for a `fits` that holds up to some n and not beyond (the
+    pages grow with n); 0 if not even 1 fits. A doubling search, then bisection: O(log limit) calls of `fits`."""
+    if not fits(1):
+        return 0
+    lo, hi = 1, 2
+    while hi <= limit and fits(hi):
+        lo, hi = hi, hi * 2
+    hi = min(hi, limit + 1)
+    while hi - lo > 1:
+        mid = (lo + hi) // 2
+        if fits(mid):
+            lo = mid
+        else:
+            hi = mid
+    return lo

@@ -48,6 +48,7 @@ from pagedqvg.cache.sequencing import view_slot_ranges
 from pagedqvg.planning.geometry import Geometry as Geometry
 from pagedqvg.planning.geometry import check_workload as check_workload
 from pagedqvg.planning.geometry import flag_of as flag_of
+from pagedqvg.planning.geometry import largest_fitting
 from pagedqvg.planning.presets import Workload
 from pagedqvg.planning.replay import Call as Call
 from pagedqvg.planning.replay import CountedSegment as CountedSegment
@@ -447,16 +448,4 @@ def max_sessions(geom: Geometry, budget: int, limit: int = MAX_SESSIONS) -> int:
     def fits(n: int) -> bool:
         return pages(per * n) * geom.page_bytes + view <= budget
 
-    if not fits(1):
-        return 0
-    lo, hi = 1, 2
-    while hi <= limit and fits(hi):
-        lo, hi = hi, hi * 2
-    hi = min(hi, limit + 1)
-    while hi - lo > 1:
-        mid = (lo + hi) // 2
-        if fits(mid):
-            lo = mid
-        else:
-            hi = mid
-    return lo
+    return largest_fitting(fits, limit)
