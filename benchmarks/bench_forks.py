@@ -31,12 +31,12 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import json
 import statistics
 import sys
 import time
 
 import torch
+from figures import report_figures
 
 import pagedqvg.cache.paged_cache as paged_cache
 from pagedqvg import BlockPool
@@ -265,12 +265,7 @@ def main() -> None:
     ap.add_argument("--json", help="also write the figures to this file")
     args = ap.parse_args()
     out = run(args)
-    print("| figure | value |\n|---|---|")
-    for k, v in out.items():
-        print(f"| {k} | {v:,} |" if isinstance(v, int) and not isinstance(v, bool) else f"| {k} | {v} |")
-    if args.json:
-        with open(args.json, "w", encoding="ascii") as fh:
-            json.dump(out, fh, indent=1)
+    report_figures(out, args.json)
     ok = out["views_equal_after_round_trip"] and out["fork_arena_bytes_changed"] == out["fork_used_pages_delta"] == 0
     if not ok or not out["planned_equals_measured"]:
         print(

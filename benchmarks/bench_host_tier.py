@@ -30,13 +30,13 @@ CPU-to-CPU copy between two arenas.
 from __future__ import annotations
 
 import argparse
-import json
 import random
 import sys
 import time
 from pathlib import Path
 
 import torch
+from figures import report_figures
 
 from pagedqvg import BlockPool
 from pagedqvg.errors import SessionRefusedError
@@ -237,12 +237,7 @@ def main() -> None:
     ap.add_argument("--json", default=str(RESULT), help="write the figures here ('' for none)")
     args = ap.parse_args()
     out = run(args)
-    print("| figure | value |\n|---|---|")
-    for k, v in out.items():
-        print(f"| {k} | {v:,} |" if isinstance(v, int) and not isinstance(v, bool) else f"| {k} | {v} |")
-    if args.json:
-        with open(args.json, "w", encoding="ascii") as fh:
-            json.dump(out, fh, indent=1)
+    report_figures(out, args.json)
     ok = (
         out["tier_calls_served"] == out["plain_calls_served"] == args.calls
         and out["tier_twin_views_equal"] and out["transfer_views_equal"]
